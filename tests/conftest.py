@@ -1,0 +1,25 @@
+"""Test set-up shared by every test module.
+
+The numba CUDA simulator is chosen once, when `numba.cuda` is first imported, so it has to
+be switched on here, before any test module imports a kernel. `kernels/gpu_check.py`
+sets MINIVLLM_REAL_GPU=1 to run the same tests on a real GPU instead.
+"""
+
+import os
+import sys
+
+if os.environ.get("MINIVLLM_REAL_GPU") != "1":
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    # The simulator runs each CUDA thread as a Python thread that busy-waits holding the
+    # GIL; switching threads often makes it 5-16x faster (../shared/NOTES-kernels.md).
+    sys.setswitchinterval(1e-5)
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "deep", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
