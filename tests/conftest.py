@@ -23,3 +23,26 @@ settings.register_profile(
     "deep", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+import pytest  # noqa: E402
+
+from tests.helpers import TINY_ARCHITECTURES, make_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session", params=TINY_ARCHITECTURES)
+def tiny_model_path(request, tmp_path_factory):
+    """A random 2-layer checkpoint per supported architecture family."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The real SmolLM2-135M-Instruct checkpoint (converted once, then cached)."""
+    from minivllm.model_files import default_model_path
+
+    return default_model_path()

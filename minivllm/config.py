@@ -1,0 +1,75 @@
+"""Engine settings, checked before any work starts (`EngineArgs` in vLLM's vocabulary)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# With no explicit num_kv_blocks, the cache gets this many bytes: 1 GiB holds ~23k tokens of
+# SmolLM2 in fp32 (45 KiB per token), plenty for a laptop-sized batch.
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM` / `LLMEngine` accept besides the prompts.
+
+    ``model=None`` means the bundled SmolLM2-135M-Instruct. ``num_kv_blocks=None`` sizes
+    the cache from ``kv_cache_memory_bytes``; ``max_model_len=None`` takes the model's
+    limit, capped by what the cache can hold.
+    """
+
+    model: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    attention_backend: str = "torch"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    enable_prefix_caching: bool = False
+    scheduling_policy: str = "continuous"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, {', '.join(DTYPES)}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"unknown device {self.device!r}; choose auto, cpu or cuda")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but torch sees no CUDA GPU")
+        # Imported here: the registry imports nothing heavy, but keep config import-light.
+        from minivllm.attention import available_backends
+
+        if self.attention_backend not in available_backends():
+            raise ValueError(
+                f"unknown attention backend {self.attention_backend!r}; "
+                f"available: {', '.join(available_backends())}"
+            )
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            # fp32 on CPU: half-precision matmuls are slow there and fp32 is what the
+            # parity tests compare against. On a GPU, bf16 like vLLM.
+            return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
+        return DTYPES[self.dtype]

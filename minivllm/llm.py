@@ -1,0 +1,100 @@
+"""`LLM`: the offline, batch-in / batch-out entry point (vLLM's `LLM` class)."""
+
+from __future__ import annotations
+
+from tqdm.auto import tqdm
+
+from minivllm.config import EngineConfig
+from minivllm.engine import LLMEngine, Prompt
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """Generate text for a batch of prompts with continuous batching.
+
+    ``LLM()`` loads the bundled SmolLM2-135M-Instruct; ``LLM(model="path")`` any local
+    Llama / Mistral / Qwen2 / Qwen3 checkpoint. Keyword options are `EngineConfig`'s
+    (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``max_model_len``, ``attention_backend``, ``dtype``, ``device``, ``seed``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **options) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **options))
+        self._request_counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the prompts' order.
+
+        ``sampling_params`` is one `SamplingParams` for all prompts or one per prompt. All
+        prompts are validated before any is queued, so a bad one leaves nothing behind."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts"
+            )
+        engine = self.llm_engine
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                request_id = f"{self._request_counter}"
+                self._request_counter += 1
+                if params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                    params = _replace_kind(params, RequestOutputKind.FINAL_ONLY)
+                engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except Exception:
+            engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, formatted with the
+        tokenizer's chat template (``[{"role": "user", "content": "..."}]``)."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None or tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True
+            )
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[r] for r in request_ids]
+
+
+def _replace_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, output_kind=kind)

@@ -1,0 +1,100 @@
+"""Turn the scheduler's decision into one flattened, unpadded batch and run the model.
+
+Per step the runner builds, once, the tensors every layer shares: input token ids and
+positions for all scheduled tokens back to back, the cache slot each new token's K/V goes
+to, and the attention metadata (query/context lengths, block tables). It samples only at
+each sequence's last scheduled position, and only for sequences whose chunk reaches the
+end of their known tokens (a prefill chunk in the middle of a prompt has nothing to say).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.attention import AttentionMetadata
+from minivllm.models.llama import CausalLM
+from minivllm.sampler import Sampler
+from minivllm.scheduler import SchedulerOutput
+from minivllm.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_kv_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        config = model.config
+        # The whole KV cache, allocated once: [layer][key or value][block][slot][kv_head][dim].
+        # Requests own blocks of it through their block tables; nothing here ever moves.
+        # torch.empty: a slot is always written before it is read (nothing reads past
+        # context_len), and zero-filling a GiB costs seconds on a small machine.
+        self.kv_caches = torch.empty(
+            config.num_layers, 2, num_kv_blocks, block_size, config.num_kv_heads, config.head_dim,
+            dtype=dtype, device=device,
+        )  # fmt: skip
+        self.sampler = Sampler()
+
+    def prepare_inputs(
+        self, scheduled: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """input_ids ``[num_tokens]``, positions ``[num_tokens]`` and the step's metadata."""
+        input_ids: list[int] = []
+        start_positions: list[int] = []
+        for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens):
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start : start + num_new]
+            start_positions.append(start)
+
+        query_lens = torch.tensor(scheduled.num_new_tokens, dtype=torch.int32)
+        context_lens = torch.tensor(start_positions, dtype=torch.int32) + query_lens
+        cu_seqlens_q = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        torch.cumsum(query_lens, dim=0, out=cu_seqlens_q[1:])
+
+        max_blocks = max(len(seq.block_table) for seq in scheduled.seqs)
+        block_tables = torch.tensor(  # padded with block 0, never read past context_len
+            [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in scheduled.seqs],
+            dtype=torch.int32,
+        )
+
+        # Position of every token: its sequence's start + its index inside the chunk.
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens.long())
+        offsets = torch.arange(len(input_ids)) - cu_seqlens_q[:-1].long()[seq_of_token]
+        positions = (context_lens - query_lens).long()[seq_of_token] + offsets
+        # The paged address: token `pos` lives in block `block_table[pos // block_size]`.
+        blocks = block_tables[seq_of_token, positions // self.block_size].long()
+        slot_mapping = blocks * self.block_size + positions % self.block_size
+
+        to = dict(device=self.device, non_blocking=True)
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping.to(**to),
+            cu_seqlens_q=cu_seqlens_q.to(**to),
+            context_lens=context_lens.to(**to),
+            block_tables=block_tables.to(**to),
+            max_query_len=max(scheduled.num_new_tokens),
+            max_context_len=int(context_lens.max()),
+        )
+        return torch.tensor(input_ids).to(**to), positions.to(**to), metadata
+
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput) -> dict[Sequence, int]:
+        """Run one step; returns the token sampled for each sequence that samples."""
+        input_ids, positions, metadata = self.prepare_inputs(scheduled)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+
+        sampling_seqs, last_rows = [], []
+        ends = metadata.cu_seqlens_q[1:].tolist()
+        for seq, num_new, end in zip(scheduled.seqs, scheduled.num_new_tokens, ends):
+            if seq.num_computed_tokens + num_new == seq.num_tokens:
+                sampling_seqs.append(seq)
+                last_rows.append(end - 1)
+        if not sampling_seqs:
+            return {}
+        logits = self.model.compute_logits(hidden[last_rows])
+        return dict(zip(sampling_seqs, self.sampler(logits, sampling_seqs)))

@@ -1,0 +1,185 @@
+"""The Llama family (Llama, SmolLM, Mistral-style) and Qwen2 / Qwen3, in one readable model.
+
+Differences between the families are three switches in `ModelConfig`: a bias on the
+q/k/v projections (Qwen2), an RMSNorm on each head's queries and keys (Qwen3), and the
+head dimension. Unlike a Hugging Face model, this one sees no batch dimension and no
+padding: its input is the step's flattened tokens ``[num_tokens]`` with their positions,
+and attention goes through the paged KV cache via `AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.attention import AttentionBackend, AttentionMetadata, write_kv_cache
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    inv_freq: torch.Tensor  # [head_dim // 2] rotary frequencies, scaling already applied
+    rope_attention_scaling: float = 1.0  # cos/sin multiplier some rope types use
+    qkv_bias: bool = False  # Qwen2
+    o_bias: bool = False  # Llama's attention_bias=True also puts a bias on o_proj
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3
+    tie_word_embeddings: bool = False
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same operation order as transformers (fp32 statistics), so outputs match it bit
+        # for bit where possible: greedy parity depends on it.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates query/key pairs by position-dependent angles (RoPE, "rotate half" layout)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = config.inv_freq.float()
+        positions = torch.arange(config.max_position_embeddings, device=inv_freq.device).float()
+        freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim // 2]
+        angles = torch.cat([freqs, freqs], dim=-1)  # [max_pos, head_dim]
+        scale = config.rope_attention_scaling
+        self.register_buffer("cos", angles.cos() * scale, persistent=False)
+        self.register_buffer("sin", angles.sin() * scale, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and sin for each token, ``[num_tokens, 1, head_dim]``: looked up once per step."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
+            dtype
+        )
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v projections fused into one matmul.
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.scale = self.head_dim**-0.5
+        self.backend = backend
+
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        key_cache, value_cache = kv_cache  # each [num_blocks, block_size, kv_heads, head_dim]
+        write_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
+        out = self.backend.forward(q.contiguous(), key_cache, value_cache, metadata, self.scale)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        # gate and up projections fused into one matmul.
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, rope, hidden, kv_cache, metadata):
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class CausalLM(nn.Module):
+    """Token ids in, next-token logits out, for a flattened batch of sequences."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.rotary = RotaryEmbedding(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Small models reuse the input embedding as the output projection."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states ``[num_tokens, hidden_size]``."""
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(rope, hidden, kv_cache, metadata)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden_size]`` -> ``[n, vocab_size]``, only for rows we sample from."""
+        return self.lm_head(hidden)

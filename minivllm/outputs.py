@@ -1,0 +1,31 @@
+"""What the engine hands back for each request (mirrors vLLM's `RequestOutput`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minivllm.sequence import RequestMetrics
+
+
+@dataclass
+class CompletionOutput:
+    """The generated part of one request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that fired
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = field(default=None, repr=False)

@@ -1,0 +1,63 @@
+"""Turn each sampled row of logits into one token id.
+
+Greedy rows take the argmax. Other rows apply temperature, then top-k, top-p and min-p
+filters, then draw with the *exponential race*: ``argmax(probs / E)`` with ``E ~ Exp(1)``
+picks index ``i`` with probability ``probs[i]``. The noise ``E`` comes from each request's
+own generator, so a seeded request draws the same tokens whatever shares its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.sequence import Sequence
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """logits ``[num_seqs, vocab_size]``, one row per sequence that samples now."""
+        logits = logits.float()
+        greedy_tokens = logits.argmax(dim=-1)
+        params = [seq.sampling_params for seq in seqs]
+        if all(p.greedy for p in params):
+            return greedy_tokens.tolist()
+
+        temperatures = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+        logits = logits / temperatures[:, None]
+        if any(p.top_k > 0 for p in params):
+            logits = _apply_top_k(logits, [p.top_k for p in params])
+        if any(p.top_p < 1 for p in params):
+            logits = _apply_top_p(logits, [p.top_p for p in params])
+        probs = logits.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=probs.device)
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0)
+
+        noise = torch.empty_like(probs)
+        for row, seq in enumerate(seqs):
+            noise[row].exponential_(generator=seq.generator)
+        sampled_tokens = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        return torch.where(is_greedy, greedy_tokens, sampled_tokens).tolist()
+
+
+def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    """Keep each row's ``k`` largest logits (``k=0``: keep all)."""
+    vocab_size = logits.shape[-1]
+    ks = torch.tensor(
+        [k if 0 < k < vocab_size else vocab_size for k in top_ks], device=logits.device
+    )
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    kth_largest = sorted_logits.gather(-1, (ks - 1)[:, None])
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability adds up to ``p``."""
+    top_p = torch.tensor(top_ps, device=logits.device)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    # Drop a token if the tokens before it already reach p; the first one always stays.
+    drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))

@@ -1,0 +1,83 @@
+"""Tiny, randomly initialised Hugging Face checkpoints for fast tests, and HF references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+TINY_VOCAB = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(253)]  # 256 tokens
+
+
+def make_tiny_tokenizer():
+    """A word-level tokenizer over "w0 .. w252": decoding is exact and predictable."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: i for i, word in enumerate(TINY_VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    from tokenizers import decoders
+
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+def make_tiny_checkpoint(path: Path, architecture: str = "llama", seed: int = 0) -> Path:
+    """Save a 2-layer random model of ``architecture`` with a tokenizer at ``path``."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=len(TINY_VOCAB),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        # A large init makes logits peaked, so greedy argmax is far from ties and
+        # parity failures mean real bugs, not float noise.
+        initializer_range=0.5,
+        tie_word_embeddings=architecture != "llama",
+    )
+    config_cls, model_cls, extra = {
+        "llama": (LlamaConfig, LlamaForCausalLM, {"rope_theta": 10000.0}),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
+    }[architecture]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common, **extra))
+    if architecture == "qwen2":  # random biases, so a dropped bias shows up
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    model.save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one prompt, run alone (no padding)."""
+    ids = torch.tensor([prompt_token_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_token_ids) :].tolist()
