@@ -12,6 +12,8 @@ ENTRY_POINT_GROUP = "minivllm.attention_backends"
 # Built-ins are imported lazily ("module:Class"), so choosing "torch" never imports numba.
 _BUILTIN: dict[str, str] = {
     "torch": "minivllm.attention.torch_backend:TorchAttentionBackend",
+    "numba-cpu": "minivllm_kernels.numba_cpu:NumbaCpuAttentionBackend",
+    "numba-cuda": "minivllm_kernels.numba_cuda:NumbaCudaAttentionBackend",
 }
 _registered: dict[str, type[AttentionBackend]] = {}
 

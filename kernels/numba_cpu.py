@@ -1,0 +1,222 @@
+"""Paged attention on CPU with numba: the fastest attention path minivllm has on a CPU.
+
+The kernel reads keys and values straight out of the paged cache through the block table
+(no gather copy) and keeps a running softmax (max, denominator, weighted sum of values)
+per query head, so it never materialises a ``[query_len, context_len]`` score matrix.
+
+Work is split into (query row, kv head) items: one item computes every query head of a
+GQA group, so a key/value vector loaded from memory is reused ``num_heads // num_kv_heads``
+times. Items are dealt round-robin to numba's threads, so a causal prefill (whose later
+rows see more keys) is spread evenly instead of giving one thread all the long rows.
+
+Threading layer: numba defaults to OpenMP when available. Next to torch's own OpenMP pool
+that made this kernel 4-5x slower (two pools of spinning threads on the same cores), so
+we pick numba's ``workqueue`` layer unless the user chose one with NUMBA_THREADING_LAYER.
+It leaves torch's pool alone. ``workqueue`` does not allow two Python threads to launch
+numba kernels at the same time; the engine calls attention from one thread.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+try:
+    import numba
+    import numpy as np
+    from numba import njit, prange
+except ImportError as error:  # pragma: no cover - exercised by a test that hides numba
+    raise ImportError(
+        "the numba attention backends need numba: pip install minivllm[kernels]"
+    ) from error
+
+from minivllm.attention.backend import AttentionBackend, AttentionMetadata
+
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    # Read when the first parallel kernel runs, so setting it here (at import) is enough.
+    numba.config.THREADING_LAYER = "workqueue"
+
+# Stands in for -inf as the running max before the first key: fastmath lets LLVM assume
+# no infinities, and exp(_NO_SCORE - score) is still exactly 0.
+_NO_SCORE = np.float32(-3.0e38)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def paged_attention_kernel(
+    query,
+    key_cache,
+    value_cache,
+    cu_seqlens_q,
+    context_lens,
+    block_tables,
+    scale,
+    output,
+    num_workers,
+):
+    """Causal paged attention for a mixed batch, written into ``output``.
+
+    query, output: ``[num_tokens, num_heads, head_dim]`` float32.
+    key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32.
+    cu_seqlens_q ``[num_seqs + 1]``, context_lens ``[num_seqs]``,
+    block_tables ``[num_seqs, max_blocks]``: int32, as in `AttentionMetadata`.
+    scale: float32. num_workers: how many items run at once (numba's thread count).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    seq_of_row = _sequence_of_each_row(cu_seqlens_q, num_tokens)
+    num_items = num_tokens * num_kv_heads
+    for worker in prange(num_workers):
+        # Scratch space for one item, allocated once per worker.
+        weighted_sum = np.empty((group_size, head_dim), dtype=np.float32)
+        running_max = np.empty(group_size, dtype=np.float32)
+        denominator = np.empty(group_size, dtype=np.float32)
+        scores = np.empty(block_size, dtype=np.float32)
+        for item in range(worker, num_items, num_workers):
+            row, kv_head = item // num_kv_heads, item % num_kv_heads
+            seq = seq_of_row[row]
+            query_len = cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]
+            # This row is the last query_len tokens' (row - first row)-th: its position.
+            position = context_lens[seq] - query_len + (row - cu_seqlens_q[seq])
+            weighted_sum[:] = 0.0
+            running_max[:] = _NO_SCORE
+            denominator[:] = 0.0
+            _attend_to_context(
+                query[row],
+                key_cache,
+                value_cache,
+                block_tables[seq],
+                position + 1,
+                kv_head,
+                scale,
+                scores,
+                weighted_sum,
+                running_max,
+                denominator,
+            )
+            for member in range(group_size):
+                head = kv_head * group_size + member
+                output[row, head, :] = weighted_sum[member] / denominator[member]
+
+
+@njit(cache=True)
+def _sequence_of_each_row(cu_seqlens_q, num_tokens):
+    """``[num_tokens]`` int32: the sequence index each flattened query row belongs to."""
+    seq_of_row = np.empty(num_tokens, dtype=np.int32)
+    for seq in range(cu_seqlens_q.shape[0] - 1):
+        seq_of_row[cu_seqlens_q[seq] : cu_seqlens_q[seq + 1]] = seq
+    return seq_of_row
+
+
+@njit(fastmath=True, cache=True)
+def _attend_to_context(
+    query_row,
+    key_cache,
+    value_cache,
+    block_table,
+    num_keys,
+    kv_head,
+    scale,
+    scores,
+    weighted_sum,
+    running_max,
+    denominator,
+):
+    """Online softmax of one query row's GQA group over its first ``num_keys`` keys.
+
+    query_row: ``[num_heads, head_dim]``. Updates weighted_sum ``[group, head_dim]``,
+    running_max ``[group]`` and denominator ``[group]`` in place; scores ``[block_size]``
+    is scratch. The softmax is rescaled once per cache block, not once per key.
+    """
+    block_size, head_dim = key_cache.shape[1], key_cache.shape[3]
+    group_size = weighted_sum.shape[0]
+    for block_index in range((num_keys + block_size - 1) // block_size):
+        block = block_table[block_index]
+        keys_in_block = min(block_size, num_keys - block_index * block_size)
+        for member in range(group_size):
+            q = query_row[kv_head * group_size + member]
+            block_max = running_max[member]
+            for offset in range(keys_in_block):
+                k = key_cache[block, offset, kv_head]
+                score = np.float32(0.0)
+                for d in range(head_dim):
+                    score += q[d] * k[d]
+                score *= scale
+                scores[offset] = score
+                block_max = max(block_max, score)
+            # Rescale what was summed under the old max to the new one.
+            correction = np.exp(running_max[member] - block_max)
+            running_max[member] = block_max
+            denominator[member] *= correction
+            acc = weighted_sum[member]
+            for d in range(head_dim):
+                acc[d] *= correction
+            for offset in range(keys_in_block):
+                weight = np.exp(scores[offset] - block_max)
+                denominator[member] += weight
+                v = value_cache[block, offset, kv_head]
+                for d in range(head_dim):
+                    acc[d] += weight * v[d]
+
+
+class NumbaCpuAttentionBackend(AttentionBackend):
+    """`paged_attention_kernel` behind the backend contract: fp32 on CPU."""
+
+    name = "numba-cpu"
+    supported_dtypes = (torch.float32,)
+    supported_devices = ("cpu",)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        self.check_supported(query.dtype, query.device)
+        # A query sliced out of a fused qkv projection is strided; numba would compile a
+        # second, slower specialisation for it, so make it dense (a small copy).
+        query = query.contiguous()
+        output = torch.empty_like(query)
+        paged_attention_kernel(
+            query.detach().numpy(),
+            key_cache.detach().numpy(),
+            value_cache.detach().numpy(),
+            _as_int32(metadata.cu_seqlens_q),
+            _as_int32(metadata.context_lens),
+            _as_int32(metadata.block_tables),
+            np.float32(scale),
+            output.numpy(),
+            numba.get_num_threads(),
+        )
+        _warn_once_if_slow_threading_layer()
+        return output
+
+
+def _as_int32(index: torch.Tensor) -> np.ndarray:
+    return index.to(torch.int32).contiguous().numpy()
+
+
+_layer_checked = False
+
+
+def _warn_once_if_slow_threading_layer() -> None:
+    """numba picks its threading layer on the first parallel launch; say if it is slow."""
+    global _layer_checked
+    if _layer_checked:
+        return
+    _layer_checked = True
+    layer = numba.threading_layer()
+    if layer != "workqueue" and "NUMBA_THREADING_LAYER" not in os.environ:
+        warnings.warn(
+            f"numba is using the {layer!r} threading layer (a parallel numba kernel ran "
+            "before minivllm_kernels was imported); next to torch's OpenMP pool the "
+            "numba-cpu attention backend can be several times slower than with 'workqueue'",
+            stacklevel=3,
+        )
+
+
+__all__ = ["NumbaCpuAttentionBackend", "paged_attention_kernel"]
