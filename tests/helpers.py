@@ -69,15 +69,19 @@ def make_tiny_checkpoint(path: Path, architecture: str = "llama", seed: int = 0)
 
 
 def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation of one prompt, run alone (no padding)."""
+    """transformers' greedy continuation of one prompt, run alone (no padding).
+
+    A plain argmax loop over the HF model and its own KV cache, rather than ``generate``:
+    ``generate`` would stop at EOS or, told not to, ban EOS outright, while minivllm's
+    ``ignore_eos`` samples EOS like any token and keeps going."""
+    generated: list[int] = []
     ids = torch.tensor([prompt_token_ids])
+    past = None
     with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt_token_ids) :].tolist()
+        for _ in range(max_new_tokens):
+            out = model(input_ids=ids, cache=past, use_cache=True)
+            past = out.cache
+            next_token = int(out.logits[0, -1].argmax())
+            generated.append(next_token)
+            ids = torch.tensor([[next_token]])
+    return generated
