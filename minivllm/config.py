@@ -12,6 +12,10 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # SmolLM2 in fp32 (45 KiB per token), plenty for a laptop-sized batch.
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
+# "continuous": vLLM's token-level batching (scheduler.py). "static": request-level
+# batching as servers did before it (static_scheduler.py), kept to measure the difference.
+SCHEDULING_POLICIES = ("continuous", "static")
+
 
 @dataclass
 class EngineConfig:
@@ -49,6 +53,13 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, {', '.join(DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"unknown device {self.device!r}; choose auto, cpu or cuda")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"unknown scheduling policy {self.scheduling_policy!r}; "
+                f"choose {', '.join(SCHEDULING_POLICIES)}"
+            )
+        if self.scheduling_policy == "static" and self.enable_prefix_caching:
+            raise ValueError("prefix caching needs the paged cache of the continuous policy")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but torch sees no CUDA GPU")
         # Imported here: the registry imports nothing heavy, but keep config import-light.

@@ -18,12 +18,14 @@ from minivllm.attention import get_backend
 from minivllm.config import EngineConfig
 from minivllm.detokenizer import Detokenizer
 from minivllm.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.metrics import StepStats
 from minivllm.model_runner import ModelRunner
 from minivllm.models.loader import load_model
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.scheduler import Scheduler, SchedulerOutput
 from minivllm.sequence import FinishReason, Sequence, SequenceStatus
+from minivllm.static_scheduler import StaticBatchScheduler
 
 Prompt = str | dict  # text, or {"prompt_token_ids": [...]} like vLLM's TokensPrompt
 
@@ -63,14 +65,20 @@ class LLMEngine:
         self.num_kv_blocks = num_kv_blocks
 
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, config.block_size)
-        self.scheduler = Scheduler(
-            self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens
-        )
+        if config.scheduling_policy == "static":  # for comparison only: see static_scheduler.py
+            self.scheduler = StaticBatchScheduler(
+                self.kv_cache_manager, config.max_num_seqs, max_model_len
+            )
+        else:
+            self.scheduler = Scheduler(
+                self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens
+            )
         self.model_runner = ModelRunner(self.model, num_kv_blocks, config.block_size, dtype, device)
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[str, Detokenizer] = {}
         self._seed_rng = random.Random(config.seed)  # seeds requests that bring no seed
         self.last_step: SchedulerOutput | None = None  # for walkthroughs and metrics
+        self.step_log: list[StepStats] | None = None  # set to [] to record every step
 
     @classmethod
     def from_engine_args(cls, config: EngineConfig) -> LLMEngine:
@@ -167,6 +175,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, and report every request that made progress."""
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.last_step = scheduled
         if scheduled.is_empty:
@@ -190,6 +199,8 @@ class LLMEngine:
             if seq.is_finished:
                 del self.requests[seq.request_id]
                 del self.detokenizers[seq.request_id]
+        if self.step_log is not None:
+            self.step_log.append(StepStats.capture(self, scheduled, start, time.perf_counter()))
         return outputs
 
     def _check_stop(self, seq: Sequence, now: float) -> None:

@@ -5,6 +5,7 @@ positions for all scheduled tokens back to back, the cache slot each new token's
 to, and the attention metadata (query/context lengths, block tables). It samples only at
 each sequence's last scheduled position, and only for sequences whose chunk reaches the
 end of their known tokens (a prefill chunk in the middle of a prompt has nothing to say).
+Static batching's padding rows ride along after the real ones: computed, never sampled.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from minivllm.models.llama import CausalLM
 from minivllm.sampler import Sampler
 from minivllm.scheduler import SchedulerOutput
 from minivllm.sequence import Sequence
+
+PAD_TOKEN_ID = 0  # what padding rows feed the model; their outputs are thrown away
 
 
 class ModelRunner:
@@ -47,19 +50,26 @@ class ModelRunner:
         """input_ids ``[num_tokens]``, positions ``[num_tokens]`` and the step's metadata."""
         input_ids: list[int] = []
         start_positions: list[int] = []
+        query_len_list = list(scheduled.num_new_tokens)
+        block_table_list = [seq.block_table for seq in scheduled.seqs]
         for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens):
             start = seq.num_computed_tokens
             input_ids += seq.token_ids[start : start + num_new]
             start_positions.append(start)
+        for rows in scheduled.padding:  # to attention, each padding run is one more sequence
+            input_ids += [PAD_TOKEN_ID] * rows.num_tokens
+            start_positions.append(rows.start_position)
+            query_len_list.append(rows.num_tokens)
+            block_table_list.append(rows.seq.block_table)
 
-        query_lens = torch.tensor(scheduled.num_new_tokens, dtype=torch.int32)
+        query_lens = torch.tensor(query_len_list, dtype=torch.int32)
         context_lens = torch.tensor(start_positions, dtype=torch.int32) + query_lens
         cu_seqlens_q = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         torch.cumsum(query_lens, dim=0, out=cu_seqlens_q[1:])
 
-        max_blocks = max(len(seq.block_table) for seq in scheduled.seqs)
+        max_blocks = max(len(table) for table in block_table_list)
         block_tables = torch.tensor(  # padded with block 0, never read past context_len
-            [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in scheduled.seqs],
+            [table + [0] * (max_blocks - len(table)) for table in block_table_list],
             dtype=torch.int32,
         )
 
@@ -77,7 +87,7 @@ class ModelRunner:
             cu_seqlens_q=cu_seqlens_q.to(**to),
             context_lens=context_lens.to(**to),
             block_tables=block_tables.to(**to),
-            max_query_len=max(scheduled.num_new_tokens),
+            max_query_len=max(query_len_list),
             max_context_len=int(context_lens.max()),
         )
         return torch.tensor(input_ids).to(**to), positions.to(**to), metadata
@@ -89,7 +99,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
 
         sampling_seqs, last_rows = [], []
-        ends = metadata.cu_seqlens_q[1:].tolist()
+        ends = metadata.cu_seqlens_q[1:].tolist()  # zip stops before the padding rows
         for seq, num_new, end in zip(scheduled.seqs, scheduled.num_new_tokens, ends):
             if seq.num_computed_tokens + num_new == seq.num_tokens:
                 sampling_seqs.append(seq)

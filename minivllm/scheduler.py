@@ -21,17 +21,36 @@ from minivllm.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass
+class PaddingRows:
+    """Token rows computed only to be thrown away: static batching's waste.
+
+    ``num_tokens`` rows at positions ``start_position, start_position + 1, ...`` go through
+    the model and attention like a chunk of ``seq``, in ``seq``'s KV region, but nothing is
+    sampled from them. Only `StaticBatchScheduler` makes them: ``seq`` is the batch member
+    whose slot they fill (a prompt shorter than the longest, or a request already done)."""
+
+    seq: Sequence
+    start_position: int
+    num_tokens: int
+
+
+@dataclass
 class SchedulerOutput:
     """What one step computes: ``num_new_tokens[i]`` tokens of ``seqs[i]``, starting at
-    its ``num_computed_tokens``."""
+    its ``num_computed_tokens``, then the ``padding`` rows (static batching only)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    # Whether each chunk catches up on known tokens (prefill) or computes the one token
+    # just sampled (decode); fixed when scheduled, as the sequence moves on after the step.
+    is_prefill: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    padding: list[PaddingRows] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
+        self.is_prefill.append(seq.is_prefill)
 
     @property
     def total_num_tokens(self) -> int:
@@ -39,11 +58,15 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(n for s, n in zip(self.seqs, self.num_new_tokens) if not s.is_prefill)
+        return sum(n for n, prefill in zip(self.num_new_tokens, self.is_prefill) if not prefill)
 
     @property
     def num_prefill_tokens(self) -> int:
         return self.total_num_tokens - self.num_decode_tokens
+
+    @property
+    def num_padding_tokens(self) -> int:
+        return sum(rows.num_tokens for rows in self.padding)
 
     @property
     def is_empty(self) -> bool:
