@@ -64,7 +64,9 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_blocks
 
-        self.kv_cache_manager = KVCacheManager(num_kv_blocks, config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
         if config.scheduling_policy == "static":  # for comparison only: see static_scheduler.py
             self.scheduler = StaticBatchScheduler(
                 self.kv_cache_manager, config.max_num_seqs, max_model_len
@@ -243,12 +245,14 @@ class LLMEngine:
             outputs=[completion],
             finished=finished,
             metrics=seq.metrics,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     # --- introspection -------------------------------------------------------------------
 
     def stats(self) -> dict:
         """A snapshot of the engine's queues and KV pool, e.g. for a progress display."""
+        prefix_cache = self.kv_cache_manager.prefix_cache_stats
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": sum(s.status is SequenceStatus.WAITING for s in self.scheduler.waiting),
@@ -258,6 +262,10 @@ class LLMEngine:
             "num_free_blocks": self.kv_cache_manager.num_free_blocks,
             "num_kv_blocks": self.num_kv_blocks,
             "num_preemptions_total": self.scheduler.num_preemptions,
+            # Prefix caching: prompt tokens looked up at admission, and found (not computed).
+            "prefix_cache_query_tokens": prefix_cache.num_queried_tokens,
+            "prefix_cache_hit_tokens": prefix_cache.num_hit_tokens,
+            "prefix_cache_hit_rate": prefix_cache.hit_rate,
             "config": asdict(self.config),
         }
 

@@ -3,9 +3,27 @@
 Like a page table: token ``pos`` of a request lives in block ``block_table[pos // block_size]``
 at offset ``pos % block_size``. The manager grows a table block by block as the request's
 computed tokens grow, and gives every block back when the request finishes or is preempted.
+
+Automatic prefix caching (vLLM's design). Each *full* block of a request is named by a
+chained hash: ``hash(parent block's hash, this block's token ids)``, so equal hashes mean
+equal tokens at equal positions *and* an equal prefix before them, hence equal keys and
+values. After every step, `cache_full_blocks` registers the blocks that became full
+(prefill chunks and decodes alike). When a request is admitted, `get_computed_blocks`
+looks up its prompt's block hashes in order and returns the longest cached run; the
+request shares those blocks (reference count + 1) and starts computing after them.
+
+Only full blocks are ever shared, and a full block is never written again (a request only
+writes at positions ``>= num_computed_tokens``, past its shared blocks), so sharing needs
+no copy-on-write. The hit is capped below the request's last token: the model has to run
+on at least one token to produce the logits for the next one (nano-vllm #114 crashed on a
+100 % hit), and the cap is whole blocks so that the recomputed tail goes to fresh blocks.
 """
 
 from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
 
 from minivllm.block_allocator import BlockAllocator
 from minivllm.sequence import Sequence
@@ -15,12 +33,36 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def hash_block_tokens(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    """The name of a full block: SHA-256 of the parent block's hash and this block's tokens.
+
+    A strong hash instead of Python's ``hash()``: a collision would silently hand a request
+    someone else's keys and values, and ``hash()`` of a tuple is 64 bits and not
+    collision-resistant (``hash(-1) == hash(-2)`` in CPython). With 256 bits a collision is
+    not a practical concern, so matching hashes need no token-by-token check."""
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups since the engine started, counted in tokens (like vLLM's)."""
+
+    num_queried_tokens: int = 0  # tokens of the requests looked up at admission
+    num_hit_tokens: int = 0  # of those, tokens found in the cache (prefill saved)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.allocator = BlockAllocator(num_blocks)
+        self.prefix_cache_stats = PrefixCacheStats()
 
     @property
     def num_blocks(self) -> int:
@@ -33,21 +75,74 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """The longest run of cached blocks that starts ``seq``'s tokens, for a request
+        about to be admitted; it holds ``len(result) * block_size`` tokens. Nothing is
+        taken yet: `allocate_slots` does that, if the rest of the request fits."""
+        if not self.enable_prefix_caching:
+            return []
+        max_hit_blocks = (seq.num_tokens - 1) // self.block_size  # always compute the last
+        blocks: list[int] = []
+        parent_hash = b""
+        for i in range(max_hit_blocks):
+            parent_hash = hash_block_tokens(parent_hash, self._block_tokens(seq, i))
+            block_id = self.allocator.get_cached_block(parent_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> bool:
         """Make room for ``num_new_tokens`` more computed tokens of ``seq``.
 
-        Returns False, allocating nothing, when the pool has too few free blocks."""
-        total = seq.num_computed_tokens + num_new_tokens
-        num_missing = self.num_blocks_needed(total) - len(seq.block_table)
-        if num_missing > self.allocator.num_free_blocks:
+        ``computed_blocks`` is given when ``seq`` is being admitted (it holds no blocks):
+        its prefix-cache hit from `get_computed_blocks`, maybe empty, shared before the new
+        blocks. Returns False, taking nothing, when the pool has too few free blocks; cached
+        blocks that sit in the free queue count against it, as sharing takes them out."""
+        is_admission = computed_blocks is not None
+        computed_blocks = computed_blocks or []
+        assert not is_admission or (seq.num_computed_tokens == 0 and not seq.block_table)
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_missing = (
+            self.num_blocks_needed(num_computed + num_new_tokens)
+            - len(seq.block_table)
+            - len(computed_blocks)
+        )
+        num_hit_free = sum(self.allocator.ref_counts[b] == 0 for b in computed_blocks)
+        if num_missing + num_hit_free > self.allocator.num_free_blocks:
             return False
+        for block_id in computed_blocks:
+            self.allocator.touch(block_id)
+        seq.block_table += computed_blocks
         for _ in range(num_missing):
             seq.block_table.append(self.allocator.allocate())
+        if is_admission and self.enable_prefix_caching:
+            self.prefix_cache_stats.num_queried_tokens += seq.num_tokens
+            self.prefix_cache_stats.num_hit_tokens += len(computed_blocks) * self.block_size
         return True
 
+    def cache_full_blocks(self, seq: Sequence, num_new_tokens: int) -> None:
+        """``seq``'s last ``num_new_tokens`` computed tokens were just written to the cache:
+        register the blocks they filled, so that later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        first = (seq.num_computed_tokens - num_new_tokens) // self.block_size
+        end = seq.num_computed_tokens // self.block_size
+        for i in range(first, end):
+            parent_hash = b"" if i == 0 else self.allocator.block_hashes[seq.block_table[i - 1]]
+            assert parent_hash is not None, f"block {i - 1} of {seq} is full but has no hash"
+            block_hash = hash_block_tokens(parent_hash, self._block_tokens(seq, i))
+            self.allocator.cache_block(seq.block_table[i], block_hash)
+
     def free(self, seq: Sequence) -> None:
-        """Return all of ``seq``'s blocks to the pool (newest first, so that the oldest
-        are reused last)."""
+        """Return all of ``seq``'s blocks to the pool, newest first: the free queue is LRU,
+        so a request's tail blocks are evicted before the prefix others are likelier to
+        share."""
         for block_id in reversed(seq.block_table):
             self.allocator.free(block_id)
         seq.block_table = []
+
+    def _block_tokens(self, seq: Sequence, i: int) -> list[int]:
+        return seq.token_ids[i * self.block_size : (i + 1) * self.block_size]

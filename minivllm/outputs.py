@@ -29,3 +29,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache, not computed

@@ -4,7 +4,8 @@ Every sequence has ``num_computed_tokens`` catching up with its known tokens. Ea
 fills one token budget: running sequences first (a decode needs one token, an unfinished
 prefill its next chunk), then waiting sequences in arrival order, their prompts *chunked*
 to whatever budget is left. So prefill chunks and decodes share a step, and a long prompt
-never stalls the decodes of everyone else.
+never stalls the decodes of everyone else. With prefix caching, a waiting sequence first
+shares the cached blocks of its prompt's prefix and starts computing after them.
 
 When the KV pool runs dry, the newest running sequence is *preempted by recompute*: its
 blocks go back to the pool and it returns to the front of the waiting queue, to be
@@ -120,20 +121,29 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             seq = self.waiting[0]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.kv_cache_manager.allocate_slots(seq, num_new):
+            # A prefix-cache hit: these blocks are shared, not computed (a preempted
+            # sequence may hit its own old blocks, output tokens included).
+            cached_blocks = self.kv_cache_manager.get_computed_blocks(seq)
+            num_cached = len(cached_blocks) * self.kv_cache_manager.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.kv_cache_manager.allocate_slots(seq, num_new, cached_blocks):
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.running.append(seq)
+            if seq.status is SequenceStatus.WAITING:
+                seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached
             out.add(seq, num_new)
             budget -= num_new
         return out
 
     def update_computed(self, scheduled: SchedulerOutput) -> None:
-        """After the model ran: the scheduled tokens' keys and values are in the cache."""
+        """After the model ran: the scheduled tokens' keys and values are in the cache, and
+        the blocks they filled can be shared by later requests (prefix caching)."""
         for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens):
             seq.num_computed_tokens += num_new
+            self.kv_cache_manager.cache_full_blocks(seq, num_new)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache_manager.free(seq)
