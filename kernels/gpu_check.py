@@ -186,6 +186,15 @@ def main() -> int:
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         print("unset NUMBA_ENABLE_CUDASIM: gpu-check runs the kernel on the real GPU.")
         return 2
+    try:
+        from numba.cuda.cudadrv.nvvm import NVVM
+
+        NVVM()  # numba compiles kernels with libNVVM, which torch's CUDA wheels lack
+    except Exception as error:
+        print(f"numba.cuda cannot compile: {error}")
+        print('install libNVVM, e.g. pip install "nvidia-nvvm==13.*" "nvidia-cuda-nvrtc==13.*"')
+        print("(or the CUDA toolkit) matching the GPU driver's CUDA version")
+        return 2
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     steps = [
         ("kernel tests on the GPU", run_kernel_tests),
