@@ -22,6 +22,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--enable-prefix-caching", action="store_true")
+    g.add_argument(
+        "--policy",
+        default="continuous",
+        help="scheduling policy: continuous or static (bench: a comma-separated list)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -39,6 +44,7 @@ def engine_config_from_args(args: argparse.Namespace):
         device=args.device,
         seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.policy,
     )
 
 
@@ -102,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     add_engine_arguments(gen)
     gen.set_defaults(func=_generate)
+
+    from minivllm.bench.command import add_bench_arguments, run_bench
+
+    bench = sub.add_parser("bench", help="measure static vs continuous batching on one workload")
+    add_bench_arguments(bench)
+    add_engine_arguments(bench)
+    bench.set_defaults(func=run_bench, policy="static,continuous")  # the comparison
     return parser
 
 

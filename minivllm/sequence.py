@@ -134,8 +134,10 @@ class Sequence:
 
     @property
     def is_prefill(self) -> bool:
-        """Still computing tokens it already knows (the prompt, or a recompute)."""
-        return self.num_uncomputed_tokens > 1
+        """Still computing tokens it already knows (the prompt, or a recompute), as opposed
+        to a decode: computing the one token it sampled last step. (A prompt's last chunk
+        may be a single token and is still prefill.)"""
+        return not (self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1)
 
     @property
     def is_finished(self) -> bool:

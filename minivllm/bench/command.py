@@ -1,0 +1,191 @@
+"""``minivllm bench``: one workload through each scheduling policy (and, optionally,
+transformers), then the side-by-side table, the targets, JSON and plots."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+from dataclasses import asdict
+
+from minivllm.bench.workloads import LengthDistribution, Workload
+
+
+def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
+    w = bench.add_argument_group("workload")
+    w.add_argument(
+        "--workload", choices=["synthetic", "shared-prefix", "file"], default="synthetic"
+    )
+    w.add_argument("--num-prompts", type=int, default=64)
+    w.add_argument(
+        "--prompt-len",
+        default="uniform:16:400",
+        help="N, uniform:LO:HI or lognormal:MED:SIGMA:LO:HI",
+    )
+    w.add_argument("--output-len", default="uniform:8:128", help="like --prompt-len")
+    w.add_argument(
+        "--system-prompt-len", type=int, default=256, help="for --workload shared-prefix"
+    )
+    w.add_argument("--dataset", default=None, help="JSONL of prompts, for --workload file")
+    w.add_argument("--workload-seed", type=int, default=0)
+    r = bench.add_argument_group("arrivals (default: offline, everything at t=0)")
+    r.add_argument("--request-rate", type=float, default=math.inf, help="Poisson, requests/s")
+    r.add_argument("--max-concurrency", type=int, default=None)
+    o = bench.add_argument_group("output")
+    o.add_argument("--compare-hf", action="store_true", help="add transformers baseline rows")
+    o.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
+    o.add_argument("--plot", default=None, metavar="DIR", help="write timeline/batch/CDF PNGs")
+    o.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from minivllm.bench import report
+    from minivllm.bench.runner import run_engine
+
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    for policy in policies:
+        _engine_config(args, policy)  # a bad option or policy name fails before any work
+    model_path = args.model or _default_model()
+    workload = build_workload(args, *_tokenizer_and_vocab_size(model_path))
+    # Unless told otherwise, what a well-configured static server reserves per request:
+    # room for the workload's longest request, not the model's whole context.
+    max_model_len = args.max_model_len or workload.max_request_len
+    configs = [_engine_config(args, policy, max_model_len) for policy in policies]
+    print(workload.describe(), file=sys.stderr)
+
+    progress = not args.no_progress
+    runs = [run_engine(config, workload, args.max_concurrency, progress) for config in configs]
+    num_kv_blocks = runs[0].num_kv_blocks
+    if args.compare_hf:
+        runs += _hf_runs(args, configs[0], model_path, workload, num_kv_blocks, progress)
+
+    context = _context(args, configs[0], workload, max_model_len, num_kv_blocks)
+    print()
+    print(context["title"])
+    print(report.format_table(runs))
+    agree = report.outputs_agree(runs, "static", "continuous")
+    if agree:
+        print(f"\ngreedy outputs identical under both policies: {agree[0]}/{agree[1]} requests")
+    found = report.targets(runs)
+    if found:
+        print("\ntargets (issues 5 and 2):")
+        print("\n".join(t.line() for t in found))
+    if args.json:
+        report.write_json(args.json, runs, context)
+        print(f"\nJSON: {args.json}")
+    if args.plot:
+        from minivllm.bench.plots import write_all
+
+        paths = write_all(runs, args.plot)
+        print("plots: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def build_workload(args: argparse.Namespace, tokenizer, vocab_size: int) -> Workload:
+    from minivllm.bench import workloads
+
+    prompt_len = LengthDistribution.parse(args.prompt_len)
+    output_len = LengthDistribution.parse(args.output_len)
+    # Random prompt ids skip the special tokens (they sit at the start of the vocabulary).
+    special = getattr(tokenizer, "all_special_ids", None) or [-1]
+    token_range = (max(special) + 1, vocab_size)
+    n, seed = args.num_prompts, args.workload_seed
+    if args.workload == "synthetic":
+        workload = workloads.synthetic(n, prompt_len, output_len, token_range, seed)
+    elif args.workload == "shared-prefix":
+        workload = workloads.shared_system_prompt(
+            n, args.system_prompt_len, prompt_len, output_len, token_range, seed
+        )
+    else:
+        if args.dataset is None:
+            raise ValueError("--workload file needs --dataset PATH")
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; this model has none")
+        tokenize = lambda text: tokenizer(text).input_ids
+        workload = workloads.from_jsonl(args.dataset, tokenize, output_len, seed, n)
+    if math.isfinite(args.request_rate):
+        workload = workload.with_poisson_arrivals(args.request_rate, seed)
+    return workload
+
+
+def _engine_config(args: argparse.Namespace, policy: str, max_model_len: int | None = None):
+    from minivllm.cli import engine_config_from_args
+
+    overrides = {"policy": policy}
+    if max_model_len is not None:
+        overrides["max_model_len"] = max_model_len
+    return engine_config_from_args(argparse.Namespace(**{**vars(args), **overrides}))
+
+
+def _tokenizer_and_vocab_size(model_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError):
+        tokenizer = None  # token-id workloads still work
+    return tokenizer, AutoConfig.from_pretrained(model_path).vocab_size
+
+
+def _hf_runs(args, config, model_path, workload: Workload, num_kv_blocks, progress) -> list:
+    from minivllm.bench import hf_baselines
+
+    if math.isfinite(args.request_rate):
+        print("(--compare-hf runs offline only; skipped with --request-rate)", file=sys.stderr)
+        return []
+    device, dtype = config.torch_device, config.torch_dtype
+    model = hf_baselines.load_hf_model(model_path, dtype, device)
+    static = hf_baselines.run_hf_static(model, workload, config.max_num_seqs, progress)
+    model = hf_baselines.load_hf_model(model_path, dtype, device)  # CB may switch attention
+    continuous = hf_baselines.run_hf_continuous(
+        model,
+        workload,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        num_kv_blocks * config.block_size,
+        progress,
+    )
+    return [static, continuous]
+
+
+def _default_model() -> str:
+    from minivllm.model_files import default_model_path
+
+    return str(default_model_path())
+
+
+def _context(args, config, workload: Workload, max_model_len: int, num_kv_blocks: int) -> dict:
+    mode = (
+        "offline (all requests at t=0)"
+        if not math.isfinite(args.request_rate)
+        else f"online, Poisson {args.request_rate:g} req/s"
+    )
+    if args.max_concurrency:
+        mode += f", max concurrency {args.max_concurrency}"
+    model = config.model or "SmolLM2-135M-Instruct"
+    title = (
+        f"{model} | {config.torch_dtype} on {config.torch_device} | attention "
+        f"{config.attention_backend} | max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
+        f"{config.max_num_batched_tokens}, max_model_len {max_model_len}, {num_kv_blocks} KV "
+        f"blocks x {config.block_size}\n{workload.describe()} | {mode}"
+    )
+    engine_config = asdict(config) | {
+        "max_model_len": max_model_len,
+        "num_kv_blocks": num_kv_blocks,
+    }
+    engine_config.pop("scheduling_policy")
+    return {
+        "title": title,
+        "command": "minivllm " + shlex.join(sys.argv[1:]) if sys.argv else None,
+        "engine_config": engine_config,
+        "workload": {
+            "description": workload.describe(),
+            "num_requests": len(workload.requests),
+            "num_prompt_tokens": workload.num_prompt_tokens,
+            "num_output_tokens": workload.num_output_tokens,
+            "mode": mode,
+            "request_rate": args.request_rate if math.isfinite(args.request_rate) else None,
+            "max_concurrency": args.max_concurrency,
+        },
+    }

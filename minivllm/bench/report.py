@@ -1,0 +1,165 @@
+"""The side-by-side table, the targets check and the JSON file of a benchmark."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from minivllm.bench.runner import BenchRun
+from minivllm.metrics import RunSummary
+
+COLUMN_TITLES = {
+    "static": "static",
+    "continuous": "continuous",
+    "hf-static": "HF generate",
+    "hf-continuous": "HF gen_batch",
+}
+LATENCIES = [("queue", "queue_time"), ("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl")]
+LATENCIES += [("E2E", "e2e_latency")]
+
+
+@dataclass
+class Target:
+    """One of the issue's targets: ``value`` must be >= (or <=) ``goal``."""
+
+    name: str
+    value: float
+    goal: float
+    at_least: bool
+
+    @property
+    def met(self) -> bool:
+        return self.value >= self.goal if self.at_least else self.value <= self.goal
+
+    def line(self) -> str:
+        sign = ">=" if self.at_least else "<="
+        verdict = "met" if self.met else f"MISSED (by {abs(self.value / self.goal - 1):.0%})"
+        return f"  {self.name}: {self.value:.2f} (target {sign} {self.goal:g})  {verdict}"
+
+
+def table_rows(summary: RunSummary) -> list[tuple[str, float | None, str]]:
+    """(label, value, format) rows of one run, in display order."""
+    s = summary
+    rows = [
+        ("output tokens/s", s.output_throughput, ".1f"),
+        ("total tokens/s", s.total_token_throughput, ".1f"),
+        ("requests/s", s.request_throughput, ".2f"),
+        ("duration (s)", s.duration, ".1f"),
+    ]
+    for label, name in LATENCIES:
+        stats = getattr(s, name)
+        for stat in ("mean", "p50", "p90", "p99"):
+            value = getattr(stats, stat)
+            rows.append((f"{label} {stat} (ms)", None if value is None else value * 1e3, ".0f"))
+    rows += [
+        ("padding waste (%)", _percent(s.padding_waste), ".1f"),
+        ("KV utilisation (%)", _percent(s.kv_utilization), ".1f"),
+        ("mean batch size", s.mean_batch_size, ".1f"),
+        ("max KV blocks used", s.max_kv_blocks_used, "d"),
+        ("engine steps", s.num_steps, "d"),
+        ("preemptions", s.num_preemptions, "d"),
+    ]
+    if s.prefix_cache_hit_rate is not None:
+        rows.append(("prefix cache hit rate (%)", _percent(s.prefix_cache_hit_rate), ".1f"))
+    return rows
+
+
+def format_table(runs: list[BenchRun]) -> str:
+    """Metrics down, runs across; a continuous/static ratio column once both have run."""
+    labels = [label for label, _, _ in table_rows(runs[0].summary)]
+    titles: list[str] = []
+    columns: list[list[str]] = []
+    done: dict[str, list] = {}
+    for run in runs:
+        rows = table_rows(run.summary)
+        done[run.name] = rows
+        titles.append(COLUMN_TITLES.get(run.name, run.name))
+        columns.append([_cell(value, fmt) for _, value, fmt in rows])
+        if run.name in ("static", "continuous") and "static" in done and "continuous" in done:
+            titles.append("cont/static")
+            columns.append([_ratio(c, s) for c, s in zip(done["continuous"], done["static"])])
+    header = f"{'metric':<26}" + "".join(f"{t:>14}" for t in titles)
+    lines = [header, "-" * len(header)]
+    for i, label in enumerate(labels):
+        lines.append(f"{label:<26}" + "".join(f"{col[i]:>14}" for col in columns))
+    return "\n".join(lines)
+
+
+def targets(runs: list[BenchRun]) -> list[Target]:
+    """The issue's targets that these runs can check."""
+    by_name = {run.name: run.summary for run in runs}
+    found = []
+    cont, static = by_name.get("continuous"), by_name.get("static")
+    if cont and static:
+        found.append(
+            Target(
+                "continuous / static output tok/s",
+                cont.output_throughput / static.output_throughput,
+                3.0,
+                True,
+            )
+        )
+        found.append(
+            Target(
+                "continuous / static P99 e2e latency",
+                cont.e2e_latency.p99 / static.e2e_latency.p99,
+                0.5,
+                False,
+            )
+        )
+    for name, goal in (("hf-continuous", 1.5), ("hf-static", 3.0)):
+        if cont and name in by_name:
+            value = cont.output_throughput / by_name[name].output_throughput
+            found.append(Target(f"continuous / {name} output tok/s", value, goal, True))
+    if cont and cont.kv_utilization is not None:
+        found.append(Target("continuous KV utilisation", cont.kv_utilization, 0.9, True))
+    return found
+
+
+def outputs_agree(runs: list[BenchRun], a: str, b: str) -> tuple[int, int] | None:
+    """How many requests got the same greedy tokens under runs ``a`` and ``b``."""
+    by_name = {run.name: run.output_token_ids for run in runs}
+    if a not in by_name or b not in by_name:
+        return None
+    same = sum(by_name[a][rid] == tokens for rid, tokens in by_name[b].items())
+    return same, len(by_name[b])
+
+
+def write_json(path: str | Path, runs: list[BenchRun], context: dict) -> None:
+    """Everything measured: context (command, config, workload), per-run summaries, the
+    per-request latencies, and the targets."""
+    data = dict(context)
+    data["runs"] = {run.name: _run_json(run) for run in runs}
+    data["targets"] = [asdict(t) | {"met": t.met} for t in targets(runs)]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=2))
+
+
+def _run_json(run: BenchRun) -> dict:
+    requests = [
+        {
+            "request_id": r.request_id,
+            "num_prompt_tokens": r.num_prompt_tokens,
+            "num_output_tokens": r.num_output_tokens,
+            "queue_time": r.metrics.queue_time,
+            "ttft": r.metrics.ttft,
+            "tpot": r.metrics.tpot,
+            "e2e_latency": r.metrics.e2e_latency,
+        }
+        for r in run.requests
+    ]
+    return {"summary": asdict(run.summary), "requests": requests}
+
+
+def _ratio(cont_row: tuple, static_row: tuple) -> str:
+    cont, static = cont_row[1], static_row[1]
+    return "-" if cont is None or not static else f"{cont / static:.2f}x"
+
+
+def _percent(value: float | None) -> float | None:
+    return None if value is None else 100 * value
+
+
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)

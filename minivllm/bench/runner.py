@@ -1,0 +1,145 @@
+"""Drive an `LLMEngine` through a workload and measure it.
+
+The loop is what a server does: between two engine steps, every request whose arrival
+time has come enters the engine (`add_request`, stamped with its scheduled arrival time,
+so time spent waiting for the current step counts as queueing). Offline, everything
+arrives at t=0. ``max_concurrency`` holds requests back client-side while that many are
+in flight (vLLM's ``--max-concurrency``); a held request's clock starts when it is sent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from minivllm.bench.workloads import BenchRequest, Workload
+from minivllm.config import EngineConfig
+from minivllm.engine import LLMEngine
+from minivllm.metrics import RequestResult, RunSummary, StepStats, summarize
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class BenchRun:
+    """One measured run: its summary and the raw records the plots are drawn from."""
+
+    name: str
+    summary: RunSummary
+    requests: list[RequestResult]
+    start_time: float  # perf_counter at t=0; every timestamp is on that clock
+    steps: list[StepStats] = field(default_factory=list)
+    output_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    block_size: int | None = None  # the KV cache's, for minivllm runs
+    num_kv_blocks: int | None = None
+
+
+def exact_params(max_tokens: int) -> SamplingParams:
+    """Greedy, exactly ``max_tokens`` tokens: identical work under every policy."""
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def run_engine(
+    config: EngineConfig,
+    workload: Workload,
+    max_concurrency: int | None = None,
+    progress: bool = True,
+    engine: LLMEngine | None = None,
+) -> BenchRun:
+    """Run ``workload`` on a fresh engine built from ``config`` (or on ``engine``) after a
+    short warm-up, and measure it."""
+    engine = engine or LLMEngine(config)
+    _warm_up(engine, workload)
+    cache_before = _prefix_cache_counts(engine)
+    engine.step_log = []
+    desc = f"minivllm {engine.config.scheduling_policy}"
+    with tqdm(total=len(workload.requests), desc=desc, disable=not progress) as bar:
+        start, results, token_ids = _drive(engine, workload, max_concurrency, bar)
+    duration = time.perf_counter() - start
+    steps, engine.step_log = engine.step_log, None
+    summary = summarize(
+        results,
+        duration,
+        steps,
+        block_size=engine.config.block_size,
+        num_preemptions=sum(len(s.preempted_ids) for s in steps),
+        prefix_cache_hit_rate=_prefix_cache_hit_rate(engine, cache_before),
+    )
+    policy, block_size = engine.config.scheduling_policy, engine.config.block_size
+    return BenchRun(
+        policy, summary, results, start, steps, token_ids, block_size, engine.num_kv_blocks
+    )
+
+
+def _drive(engine: LLMEngine, workload: Workload, max_concurrency: int | None, bar):
+    pending = deque(sorted(workload.requests, key=lambda r: r.arrival_time))
+    prompt_lens = {r.request_id: len(r.prompt_token_ids) for r in workload.requests}
+    results: list[RequestResult] = []
+    token_ids: dict[str, list[int]] = {}
+    limit = max_concurrency or len(pending)
+    in_flight = 0
+    slot_freed_at = 0.0  # when the concurrency limit last stopped binding
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter()
+        while pending and start + pending[0].arrival_time <= now and in_flight < limit:
+            request = pending.popleft()
+            sent = max(start + request.arrival_time, slot_freed_at)
+            _add(engine, request, sent)
+            in_flight += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, start + pending[0].arrival_time - time.perf_counter()))
+            continue
+        was_full = in_flight >= limit
+        for output in engine.step():
+            if not output.finished:
+                continue
+            in_flight -= 1
+            num_output = len(output.outputs[0].token_ids)
+            rid = output.request_id
+            results.append(RequestResult(rid, prompt_lens[rid], num_output, output.metrics))
+            token_ids[rid] = output.outputs[0].token_ids
+            bar.update(1)
+        if was_full and in_flight < limit:
+            slot_freed_at = time.perf_counter()
+    return start, results, token_ids
+
+
+def _add(engine: LLMEngine, request: BenchRequest, arrival_time: float) -> None:
+    prompt = {"prompt_token_ids": request.prompt_token_ids}
+    engine.add_request(request.request_id, prompt, exact_params(request.max_tokens), arrival_time)
+
+
+def _warm_up(engine: LLMEngine, workload: Workload) -> None:
+    """A couple of short requests first, so one-time costs (allocator, kernel caches,
+    numba compiles) are not billed to the measured run."""
+    # Reversed, so that the warm-up leaves nothing in the prefix cache the run could hit.
+    prompt = {"prompt_token_ids": workload.requests[0].prompt_token_ids[::-1][:32]}
+    for i in range(2):
+        engine.add_request(f"warmup-{i}", prompt, exact_params(4))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _prefix_cache_counts(engine: LLMEngine) -> tuple[int, int] | None:
+    """(prompt tokens looked up, tokens found) so far, when prefix caching is on."""
+    stats = getattr(engine.kv_cache_manager, "prefix_cache_stats", None)
+    if not engine.config.enable_prefix_caching or stats is None:
+        return None
+    return stats.num_queried_tokens, stats.num_hit_tokens
+
+
+def _prefix_cache_hit_rate(engine: LLMEngine, before: tuple[int, int] | None) -> float | None:
+    """The hit rate of the measured run alone (the warm-up's lookups subtracted)."""
+    after = _prefix_cache_counts(engine)
+    if after is None or before is None:
+        return None
+    queried, hits = after[0] - before[0], after[1] - before[1]
+    return hits / queried if queried else 0.0
