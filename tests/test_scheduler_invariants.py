@@ -1,0 +1,412 @@
+"""The scheduler and the page allocator never lose a request or a block: stateful tests.
+
+A hypothesis `RuleBasedStateMachine` drives the real `Scheduler`, `KVCacheManager` and
+`BlockAllocator`, and the real `ModelRunner.prepare_inputs`, through random arrivals,
+aborts and steps, with random block sizes, pool sizes, token budgets, ``max_num_seqs``,
+and prefix caching on or off. The model is fake and instant (`FakeModelRunner`): what it
+"writes" into a cache slot is a fingerprint of the token prefix ending there, and before
+sampling it reads back every slot of every scheduled sequence's context through the block
+table. So a write one slot past a block, a chunk that reads a stale slot, or a prefix-cache
+hit on the wrong block fails at once, without a real model.
+
+CI runs the "ci" hypothesis profile (tests/conftest.py); for a longer search run
+``HYPOTHESIS_PROFILE=deep pytest tests/test_scheduler_invariants.py``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from minivllm import LLM
+from minivllm.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.model_runner import ModelRunner
+from minivllm.sampling_params import SamplingParams
+from minivllm.scheduler import Scheduler, SchedulerOutput
+from minivllm.sequence import FinishReason, Sequence, SequenceStatus
+from tests.helpers import hf_greedy
+
+EOS = 0
+VOCAB = 4  # few distinct tokens: generated text repeats, so blocks get shared
+
+
+def prefix_fingerprints(token_ids: list[int]) -> list[int]:
+    """``result[p]`` names ``token_ids[: p + 1]``: what a real model's K/V at ``p`` depend on."""
+    fingerprints, h = [], 0
+    for token in token_ids:
+        h = hash((h, token))
+        fingerprints.append(h)
+    return fingerprints
+
+
+class FakeModelRunner(ModelRunner):
+    """The real input preparation (positions, slot mapping, block tables) with an instant
+    fake model that checks every cache write and read against the sequences' tokens."""
+
+    def __init__(self, kv_cache_manager: KVCacheManager, rng: random.Random, eos_prob: float):
+        # No model and no cache tensors: only what `prepare_inputs` reads.
+        self.block_size = kv_cache_manager.block_size
+        self.device = torch.device("cpu")
+        self.allocator = kv_cache_manager.allocator
+        self.slots: list[int | None] = [None] * (self.allocator.num_blocks * self.block_size)
+        self.rng = rng
+        self.eos_prob = eos_prob
+
+    def execute(self, scheduled: SchedulerOutput) -> dict[Sequence, int]:
+        input_ids, positions, metadata = self.prepare_inputs(scheduled)
+        input_ids, positions = input_ids.tolist(), positions.tolist()
+        slot_mapping = metadata.slot_mapping.tolist()
+        starts = metadata.cu_seqlens_q.tolist()
+        sampled = {}
+        for i, (seq, num_new) in enumerate(zip(scheduled.seqs, scheduled.num_new_tokens)):
+            fingerprints = prefix_fingerprints(seq.token_ids)
+            for row in range(starts[i], starts[i + 1]):
+                self._write(seq, input_ids[row], positions[row], slot_mapping[row], fingerprints)
+            self._read_context(seq, metadata.block_tables[i].tolist(), fingerprints, num_new)
+            if seq.num_computed_tokens + num_new == seq.num_tokens:
+                is_eos = self.rng.random() < self.eos_prob
+                sampled[seq] = EOS if is_eos else self.rng.randrange(1, VOCAB)
+        return sampled
+
+    def _write(self, seq, token_id, pos, slot, fingerprints):
+        block_id = slot // self.block_size
+        assert token_id == seq.token_ids[pos]
+        assert seq.num_computed_tokens <= pos < seq.num_tokens
+        assert block_id == seq.block_table[pos // self.block_size], "wrote outside own block"
+        assert slot % self.block_size == pos % self.block_size
+        assert self.allocator.ref_counts[block_id] == 1, "wrote into a shared block"
+        assert self.allocator.block_hashes[block_id] is None, "wrote into a cached full block"
+        self.slots[slot] = fingerprints[pos]
+
+    def _read_context(self, seq, block_table, fingerprints, num_new):
+        for pos in range(seq.num_computed_tokens + num_new):
+            block_id = block_table[pos // self.block_size]
+            slot = block_id * self.block_size + pos % self.block_size
+            assert self.slots[slot] == fingerprints[pos], f"{seq} reads a stale slot at {pos}"
+
+
+class FakeEngine:
+    """`LLMEngine.step` without the model and the tokenizer: schedule, run the fake model,
+    advance, append the sampled tokens, finish on EOS / max_tokens / max_model_len."""
+
+    def __init__(self, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+                 enable_prefix_caching, rng, eos_prob=0.1):  # fmt: skip
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs, max_num_batched_tokens)
+        self.runner = FakeModelRunner(self.kv_cache_manager, rng, eos_prob)
+        self.max_model_len = num_blocks * block_size  # what the real engine allows at most
+        self.requests: dict[str, Sequence] = {}
+        self.arrival_order: dict[Sequence, int] = {}
+        self.finished: list[Sequence] = []
+        self.last_hits: list[Sequence] = []  # admitted by the last step with a prefix hit
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> Sequence:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        seq = Sequence(request_id, prompt, params)
+        self.requests[request_id] = seq
+        self.arrival_order[seq] = len(self.arrival_order)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT, time.perf_counter())
+        self.finished.append(seq)
+        return True
+
+    def step(self) -> SchedulerOutput:
+        waiting = set(self.scheduler.waiting)
+        scheduled = self.scheduler.schedule()
+        self.last_hits = [s for s in scheduled.seqs if s in waiting and s.num_computed_tokens]
+        sampled = self.runner.execute(scheduled) if not scheduled.is_empty else {}
+        self.scheduler.update_computed(scheduled)
+        now = time.perf_counter()
+        for seq, token_id in sampled.items():
+            seq.append_token(token_id, now)
+            if token_id == EOS:
+                self._finish(seq, FinishReason.STOP, now)
+            elif (
+                seq.num_output_tokens >= seq.sampling_params.max_tokens
+                or seq.num_tokens >= self.max_model_len
+            ):
+                self._finish(seq, FinishReason.LENGTH, now)
+        return scheduled
+
+    def run_to_completion(self, after_step=lambda scheduled: None) -> int:
+        """Step until every request finished; returns the number of steps."""
+        # The oldest running request is never preempted, and it advances every step, so
+        # each request needs at most max_model_len steps once it is the oldest.
+        bound = len(self.requests) * self.max_model_len + 1
+        for num_steps in range(bound):
+            if not self.scheduler.has_unfinished():
+                return num_steps
+            scheduled = self.step()
+            assert not scheduled.is_empty, "a step with unfinished requests did nothing"
+            after_step(scheduled)
+        raise AssertionError(f"requests still unfinished after {bound} steps: {self.requests}")
+
+    def _finish(self, seq, reason, now):
+        self.scheduler.finish(seq, reason, now)
+        del self.requests[seq.request_id]
+        self.finished.append(seq)
+
+
+def check_pool(engine: FakeEngine) -> None:
+    """Every block is free or owned, and its reference count is its number of owners."""
+    allocator = engine.kv_cache_manager.allocator
+    owners = [0] * allocator.num_blocks
+    for seq in engine.requests.values():
+        assert len(set(seq.block_table)) == len(seq.block_table)
+        for block_id in seq.block_table:
+            owners[block_id] += 1
+    assert owners == allocator.ref_counts
+    assert set(allocator.free_block_ids) == {b for b, n in enumerate(owners) if n == 0}
+    assert allocator.num_free_blocks + allocator.num_used_blocks == allocator.num_blocks
+    for block_hash, block_id in allocator.cached_block_ids.items():
+        assert allocator.block_hashes[block_id] == block_hash
+    if not engine.kv_cache_manager.enable_prefix_caching:
+        assert allocator.num_cached_blocks == 0
+    for seq in engine.finished:
+        assert seq.block_table == [] and seq.is_finished
+
+
+def check_sequences(engine: FakeEngine) -> None:
+    """Each sequence holds exactly the blocks its computed tokens need, and the queues are
+    in arrival order: running (oldest first) then waiting (first come first served)."""
+    block_size = engine.kv_cache_manager.block_size
+    scheduler = engine.scheduler
+    for seq in scheduler.running:
+        assert seq.status is SequenceStatus.RUNNING
+        assert 0 < seq.num_computed_tokens <= seq.num_tokens
+        assert len(seq.block_table) == cdiv(seq.num_computed_tokens, block_size)
+    for seq in scheduler.waiting:
+        assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+        assert seq.num_computed_tokens == 0 and seq.block_table == []
+    assert len(scheduler.running) <= scheduler.max_num_seqs
+    in_flight = scheduler.running + list(scheduler.waiting)
+    assert set(in_flight) == set(engine.requests.values())
+    arrivals = [engine.arrival_order[seq] for seq in in_flight]
+    assert arrivals == sorted(arrivals), "a request overtook an earlier one"
+
+
+def check_step(engine: FakeEngine, scheduled: SchedulerOutput) -> None:
+    scheduler = engine.scheduler
+    assert scheduled.total_num_tokens <= scheduler.max_num_batched_tokens
+    assert len(scheduled.seqs) <= scheduler.max_num_seqs
+    assert len(set(scheduled.seqs)) == len(scheduled.seqs)
+    assert all(n >= 1 for n in scheduled.num_new_tokens)
+    assert not set(scheduled.seqs) & set(scheduled.preempted)
+
+
+# One request: (which shared prefix or None, how much of it, random suffix length, max_tokens).
+REQUEST = st.tuples(
+    st.sampled_from([None, 0, 1]),
+    st.sampled_from([0, 3, 8, 13, 20]),
+    st.integers(0, 12),
+    st.integers(1, 16),
+)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        # sampled_from rather than integers: hypothesis favours the small end of a range,
+        # and a pool of one block or a single sequence never preempts anything. A pool of
+        # about one or two requests' worth of tokens preempts most.
+        block_size=st.sampled_from([1, 2, 3, 4, 8]),
+        pool_tokens=st.sampled_from([4, 8, 16, 24, 32, 48]),
+        max_num_seqs=st.sampled_from([1, 2, 3, 4, 6]),
+        max_num_batched_tokens=st.sampled_from([1, 2, 3, 5, 8, 16, 40]),
+        enable_prefix_caching=st.booleans(),
+        eos_prob=st.sampled_from([0.0, 0.05, 0.3]),
+        rng=st.randoms(use_true_random=False),
+        first_requests=st.lists(REQUEST, min_size=2, max_size=8),
+    )
+    def setup(self, block_size, pool_tokens, max_num_seqs, max_num_batched_tokens,
+              enable_prefix_caching, eos_prob, rng, first_requests):  # fmt: skip
+        num_blocks = max(1, pool_tokens // block_size)
+        self.engine = FakeEngine(num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+                                 enable_prefix_caching, rng, eos_prob)  # fmt: skip
+        self.rng = rng
+        # A few "system prompts" that many requests start with, so prefixes are shared.
+        self.shared_prefixes = [[rng.randrange(VOCAB) for _ in range(20)] for _ in range(2)]
+        self.num_added = 0
+        self.add_requests(first_requests)
+
+    @rule(requests=st.lists(REQUEST, min_size=1, max_size=4))
+    def add_requests(self, requests):
+        for shared_prefix, prefix_len, suffix_len, max_tokens in requests:
+            prefix = [] if shared_prefix is None else self.shared_prefixes[shared_prefix]
+            prompt = prefix[:prefix_len] + [self.rng.randrange(VOCAB) for _ in range(suffix_len)]
+            # What LLMEngine._check_prompt accepts: 1 .. max_model_len tokens.
+            prompt = (prompt or [1])[: self.engine.max_model_len]
+            self.engine.add(f"r{self.num_added}", prompt, max_tokens)
+            self.num_added += 1
+
+    @precondition(lambda self: self.engine.requests)
+    @rule(data=st.data())
+    def abort_request(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.engine.requests)))
+        seq = self.engine.requests[request_id]
+        allocator = self.engine.kv_cache_manager.allocator
+        num_private = sum(allocator.ref_counts[b] == 1 for b in seq.block_table)
+        num_free = allocator.num_free_blocks
+        assert self.engine.abort(request_id)
+        assert seq.finish_reason is FinishReason.ABORT and seq.block_table == []
+        assert allocator.num_free_blocks == num_free + num_private  # returned at once
+        assert not self.engine.abort(request_id)  # a second abort is a no-op
+
+    @rule(num_steps=st.integers(1, 8))
+    def step(self, num_steps):
+        for _ in range(num_steps):
+            self._check_after_step(self.engine.step())
+
+    def _check_after_step(self, scheduled):
+        check_step(self.engine, scheduled)
+        check_pool(self.engine)
+        check_sequences(self.engine)
+        self._record_events(scheduled)
+
+    def _record_events(self, scheduled):
+        """What the search reached (``pytest --hypothesis-show-statistics``)."""
+        if scheduled.preempted:
+            event("preemption")
+        for seq in self.engine.last_hits:
+            event("prefix hit" + (" after a preemption" if seq.metrics.num_preemptions else ""))
+
+    @rule()
+    def run_to_completion(self):
+        self.engine.run_to_completion(after_step=self._check_after_step)
+        allocator = self.engine.kv_cache_manager.allocator
+        # Everything is back in the pool (cached blocks stay, but are evictable).
+        assert allocator.num_free_blocks == allocator.num_blocks
+        assert allocator.ref_counts == [0] * allocator.num_blocks
+        assert all(seq.finish_reason is not None for seq in self.engine.finished)
+
+    @invariant()
+    def pool_and_queues_are_consistent(self):
+        check_pool(self.engine)
+        check_sequences(self.engine)
+
+    def teardown(self):
+        if hasattr(self, "engine"):
+            self.run_to_completion()
+
+
+SchedulerMachine.TestCase.settings = settings(stateful_step_count=60)
+TestScheduler = SchedulerMachine.TestCase
+
+
+# --- bugs other small engines shipped, as explicit regression tests ---------------------------
+# The fake model checks every write and read, so each test only has to reach the situation.
+
+
+@pytest.mark.parametrize(
+    "block_size, prompt_len", [(b, n) for b in (1, 2, 4) for n in range(1, 3 * b + 2)]
+)
+def test_decode_writes_stay_in_their_block_at_every_block_boundary(block_size, prompt_len):
+    """nano-vllm #30, #150, #240: at a block boundary the newest token's K/V went one slot
+    past the allocated block. Every prompt length around a boundary; two requests share an
+    exactly-sized pool, so a stray write lands in the other request's block."""
+    max_tokens = 2 * block_size + 1
+    num_blocks = 2 * cdiv(prompt_len + max_tokens, block_size)
+    engine = FakeEngine(num_blocks, block_size, 2, 64, False, random.Random(0), eos_prob=0)
+    first = engine.add("a", list(range(1, prompt_len + 1)), max_tokens)
+    second = engine.add("b", list(range(2, prompt_len + 2)), max_tokens)
+    engine.run_to_completion(after_step=lambda _: check_sequences(engine))
+    assert first.num_output_tokens == second.num_output_tokens == max_tokens
+    assert engine.scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize("num_blocks_in_prompt", [1, 2, 3])
+def test_a_100_percent_prefix_hit_still_computes_the_last_block(num_blocks_in_prompt):
+    """nano-vllm #114: a prompt whose every block is cached crashed (nothing to compute)."""
+    block_size = 4
+    prompt = list(range(1, block_size * num_blocks_in_prompt + 1))
+    engine = FakeEngine(16, block_size, 2, 64, True, random.Random(0), eos_prob=0)
+    engine.add("first", prompt, 3)
+    engine.run_to_completion()
+    again = engine.add("again", prompt, 3)
+    scheduled = engine.step()
+    assert again in engine.last_hits or num_blocks_in_prompt == 1
+    assert again.num_cached_tokens == (num_blocks_in_prompt - 1) * block_size
+    assert scheduled.num_new_tokens == [block_size]  # the last block, into a fresh block
+    engine.run_to_completion()
+    assert again.num_output_tokens == 3
+
+
+def test_a_prefix_hit_right_after_a_preemption():
+    """nano-vllm PR #211: a request readmitted after preemption hit the cache and went out
+    of bounds. Three requests with a shared prefix in a pool that holds two."""
+    engine = FakeEngine(6, 2, 4, 8, True, random.Random(0), eos_prob=0)
+    shared = [5, 6, 7, 8]
+    requests = [engine.add(name, shared + [i], 6) for i, name in enumerate("abc", start=1)]
+    readmitted_with_hit = []
+    engine.run_to_completion(
+        after_step=lambda _: readmitted_with_hit.extend(
+            seq for seq in engine.last_hits if seq.metrics.num_preemptions
+        )
+    )
+    assert readmitted_with_hit
+    assert all(seq.num_output_tokens == 6 for seq in requests)
+    assert engine.kv_cache_manager.num_free_blocks == 6
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 2])
+@pytest.mark.parametrize("num_chunks, extra_tokens", [(1, 0), (1, 1), (2, 0), (2, 3)])
+def test_chunked_prefill_ending_exactly_on_a_block_boundary(chunk_blocks, num_chunks, extra_tokens):
+    """nano-vllm PRs #207, #213, #217, #233: a prefill chunk ending on (or off) a block
+    boundary wrote or read the wrong slots. A budget of whole blocks, prompts around it."""
+    block_size = 4
+    budget = chunk_blocks * block_size
+    prompt_len = num_chunks * budget + extra_tokens
+    engine = FakeEngine(32, block_size, 2, budget, False, random.Random(0), eos_prob=0)
+    seq = engine.add("a", list(range(1, prompt_len + 1)), 4)
+    chunks = []
+    engine.run_to_completion(after_step=lambda scheduled: chunks.append(scheduled.num_new_tokens))
+    expected = [[min(budget, prompt_len - start)] for start in range(0, prompt_len, budget)]
+    assert chunks[: len(expected)] == expected
+    assert seq.num_output_tokens == 4
+
+
+# --- the same situations through the real engine and a tiny real model -----------------------
+
+
+@pytest.fixture(scope="module")
+def hf_tiny_llama(tiny_llama_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_path, torch_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("block_size", [2, 4])
+def test_engine_matches_transformers_across_block_boundaries(
+    tiny_llama_path, hf_tiny_llama, block_size
+):
+    """Decodes that cross block boundaries, prefill chunks that end on one, prefix hits:
+    greedy tokens must equal transformers' for every prompt length around a boundary."""
+    params = SamplingParams(temperature=0, max_tokens=2 * block_size + 1, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in range(block_size - 1, 2 * block_size + 2)]
+    llm = LLM(
+        str(tiny_llama_path),
+        block_size=block_size,
+        max_num_batched_tokens=2 * block_size,  # chunks of whole blocks
+        enable_prefix_caching=True,  # the prompts share prefixes
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert sum(o.num_cached_tokens for o in outputs) > 0
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf_tiny_llama, prompt, params.max_tokens)
