@@ -142,15 +142,18 @@ class LLMEngine:
             raise ValueError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
             )
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}"
-            )
+        # The pool first: when max_model_len is the cache's capacity (the default), this
+        # names the real limit, blocks needed against blocks in the pool.
         blocks_needed = cdiv(len(token_ids), self.config.block_size)
         if blocks_needed > self.num_kv_blocks:
             raise ValueError(
-                f"prompt needs {blocks_needed} KV blocks but the cache has only "
+                f"prompt has {len(token_ids)} tokens and needs {blocks_needed} KV blocks of "
+                f"{self.config.block_size} tokens, but the cache has only "
                 f"num_kv_blocks={self.num_kv_blocks}"
+            )
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}"
             )
 
     def abort_request(self, request_id: str | Iterable[str]) -> bool | list[bool]:
