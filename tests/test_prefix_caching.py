@@ -204,7 +204,7 @@ def test_prefix_hit_matches_transformers(tiny_llama_path):
     from transformers import AutoModelForCausalLM
 
     prompts = shared_prefix_prompts(4, prefix_len=13, seed=1)
-    # One token of budget per step beyond a prefill chunk: later prompts hit earlier ones.
+    # 16 tokens a step, two sequences at a time: later prompts arrive at a cached prefix.
     ours, outputs, _ = generate(
         tiny_llama_path, prompts, block_size=4, max_num_batched_tokens=16, max_num_seqs=2,
         enable_prefix_caching=True,
@@ -251,7 +251,8 @@ def test_outputs_identical_when_requests_hit_the_cache_after_preemptions(tiny_mo
     stats = llm_on.llm_engine.stats()
     # Readmissions are looked up again, output tokens included, so queries exceed prompts.
     assert stats["prefix_cache_query_tokens"] > sum(len(p) for p in prompts)
-    assert stats["prefix_cache_hit_tokens"] > 0
+    # More hits than the first admissions had: some readmitted requests hit the cache.
+    assert stats["prefix_cache_hit_tokens"] > sum(o.num_cached_tokens for o in outputs)
     assert stats["num_free_blocks"] == 12  # everything back in the pool, cached or not
 
 
@@ -283,7 +284,7 @@ def test_smollm2_shared_system_prompt_identical_on_and_off(smollm2_path):
         for q in questions
     ]
     prompts = [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
-    params = SamplingParams(temperature=0, max_tokens=10)
+    params = SamplingParams(temperature=0, max_tokens=6)
     off = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
     )]  # fmt: skip
