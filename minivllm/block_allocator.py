@@ -90,6 +90,15 @@ class BlockAllocator:
         self.block_hashes[block_id] = block_hash
         self.cached_block_ids.setdefault(block_hash, block_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (e.g. between benchmark runs). Only when no block is in
+        use, as in vLLM: a used block's hash is still needed to chain its owner's next one."""
+        if self.num_used_blocks:
+            return False
+        for block_id in self.free_block_ids:
+            self._evict(block_id)
+        return True
+
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hashes[block_id]
         if block_hash is None:

@@ -251,6 +251,11 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
         )
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix and the hit-rate counters (like vLLM's), e.g. between
+        benchmark runs. Returns False, doing nothing, while requests are in flight."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     # --- introspection -------------------------------------------------------------------
 
     def stats(self) -> dict:

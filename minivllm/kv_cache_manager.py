@@ -144,5 +144,13 @@ class KVCacheManager:
             self.allocator.free(block_id)
         seq.block_table = []
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes and zero the hit counters; False (and nothing done)
+        while any request holds blocks."""
+        if not self.allocator.reset_prefix_cache():
+            return False
+        self.prefix_cache_stats = PrefixCacheStats()
+        return True
+
     def _block_tokens(self, seq: Sequence, i: int) -> list[int]:
         return seq.token_ids[i * self.block_size : (i + 1) * self.block_size]

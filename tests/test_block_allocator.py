@@ -90,3 +90,15 @@ def test_duplicate_contents_keep_the_first_block_in_the_map():
     allocator.free(second)
     assert allocator.allocate() == second
     assert allocator.get_cached_block(b"same") == first
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_only_when_none_is_used():
+    allocator = BlockAllocator(2)
+    block_id = allocator.allocate()
+    allocator.cache_block(block_id, b"h")
+    assert allocator.reset_prefix_cache() is False  # still owned
+    assert allocator.get_cached_block(b"h") == block_id
+    allocator.free(block_id)
+    assert allocator.reset_prefix_cache() is True
+    assert allocator.get_cached_block(b"h") is None and allocator.block_hashes == [None, None]
+    assert allocator.num_free_blocks == 2

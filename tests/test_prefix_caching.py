@@ -266,6 +266,21 @@ def test_a_hit_skips_the_prefill_of_the_cached_tokens(tiny_llama_path):
     assert engine.last_step.num_new_tokens == [21 - 16]
 
 
+def test_reset_prefix_cache_makes_the_next_run_cold(tiny_llama_path):
+    llm = LLM(str(tiny_llama_path), block_size=4, num_kv_blocks=32, enable_prefix_caching=True)
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": list(range(3, 16))}
+    llm.generate(prompt, GREEDY, use_tqdm=False)
+    engine.add_request("in-flight", prompt, GREEDY)
+    engine.step()
+    assert engine.reset_prefix_cache() is False  # a running request holds blocks
+    engine.abort_request("in-flight")
+    assert engine.stats()["prefix_cache_hit_tokens"] == 12
+    assert engine.reset_prefix_cache() is True
+    assert engine.stats()["prefix_cache_query_tokens"] == 0
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
 @pytest.mark.slow
 def test_smollm2_shared_system_prompt_identical_on_and_off(smollm2_path):
     system = (
