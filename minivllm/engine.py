@@ -270,7 +270,8 @@ class LLMEngine:
             "num_free_blocks": self.kv_cache_manager.num_free_blocks,
             "num_kv_blocks": self.num_kv_blocks,
             "num_preemptions_total": self.scheduler.num_preemptions,
-            # Prefix caching: prompt tokens looked up at admission, and found (not computed).
+            # Prefix caching: tokens looked up at each admission (a readmission after a
+            # preemption too), and of those, found in the cache instead of computed.
             "prefix_cache_query_tokens": prefix_cache.num_queried_tokens,
             "prefix_cache_hit_tokens": prefix_cache.num_hit_tokens,
             "prefix_cache_hit_rate": prefix_cache.hit_rate,

@@ -9,8 +9,13 @@ chained hash: ``hash(parent block's hash, this block's token ids)``, so equal ha
 equal tokens at equal positions *and* an equal prefix before them, hence equal keys and
 values. After every step, `cache_full_blocks` registers the blocks that became full
 (prefill chunks and decodes alike). When a request is admitted, `get_computed_blocks`
-looks up its prompt's block hashes in order and returns the longest cached run; the
+looks up its block hashes in order and returns the longest cached run; the
 request shares those blocks (reference count + 1) and starts computing after them.
+
+A block is registered once a step has computed it. vLLM registers it already when the step
+is scheduled (every layer writes the step's keys and values before any attention reads
+them), so that requests admitted in that same step share it too; registering afterwards is
+simpler to reason about and loses only that same-step sharing.
 
 Only full blocks are ever shared, and a full block is never written again (a request only
 writes at positions ``>= num_computed_tokens``, past its shared blocks), so sharing needs
