@@ -291,6 +291,18 @@ def test_fresh_token_at_block_boundary_is_written_to_the_new_block(backend: str)
     assert_matches(run_backend(backend, step), dense_attention(step), torch.float32)
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_long_context_with_huge_scores_stays_exact(backend: str) -> None:
+    """Scores of several hundred would overflow exp() without the running max; 300 keys
+    span many cache blocks and CUDA tiles, so the max is rescaled many times."""
+    tables = [list(range(75, 0, -1))]  # 75 blocks of 4, in reverse order
+    batch = build_batch([300], [2], tables, num_heads=2, num_kv_heads=1)
+    batch.query *= 40.0
+    output = run_backend(backend, batch)
+    assert output.isfinite().all()
+    assert_matches(output, dense_attention(batch), torch.float32)
+
+
 @pytest.mark.parametrize("backend", ["numba-cpu", "numba-cuda"])
 def test_query_sliced_from_a_fused_projection(backend: str) -> None:
     """The model slices q out of one qkv matmul, so the query is not contiguous."""
