@@ -224,13 +224,13 @@ draw([seq_a, seq_c], "C reuses free blocks, wherever they are")
 # instead of computing and storing those tokens again. Only *full* blocks are shared, so
 # nobody ever writes into a shared block.
 #
-# Here we do by hand what the prefix cache does: take one more reference on A's first
-# block, then let D allocate the rest.
+# Here we do by hand what the prefix cache does: `BlockAllocator.touch` takes one more
+# reference on A's first block, then D allocates the rest as usual.
 
 # %%
 seq_d = Sequence("D", seq_a.token_ids[:4] + [95, 96, 97], SamplingParams())
 shared = seq_a.block_table[0]
-manager.allocator.ref_counts[shared] += 1  # one more block table holds it
+manager.allocator.touch(shared)  # one more block table holds it: ref count + 1
 seq_d.block_table.append(shared)
 seq_d.num_computed_tokens = 4  # its K/V are already in the cache
 compute(seq_d, seq_d.num_uncomputed_tokens)
