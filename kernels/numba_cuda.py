@@ -6,9 +6,10 @@ tiles of ``threads`` keys:
 
 1. each thread scores one key of the tile (a dot product with the query, read straight
    from the paged cache through the block table) and writes it to shared memory;
-2. every thread then reads the whole tile's scores, so all threads agree on the running
-   max and softmax denominator without a reduction; each thread owns a few of the
-   ``head_dim`` output dimensions and adds the tile's weighted values into them.
+2. every thread reads the whole tile's scores, so all threads agree on the running max
+   without a reduction step, and turns its own key's score into a softmax weight;
+3. each thread owns a few of the ``head_dim`` output dimensions and adds the tile's
+   weighted values into them (and every thread sums the same denominator).
 
 The running max/denominator (online softmax) means the context length is unbounded and
 no score matrix is ever stored. Accumulation is float32 for float32 and float16 inputs.
@@ -89,6 +90,7 @@ def build_kernel(threads: int, dims_per_thread: int):
 
         scaled_query = cuda.shared.array(max_head_dim, float32)
         scores = cuda.shared.array(threads, float32)
+        weights = cuda.shared.array(threads, float32)
         for d in range(thread, head_dim, threads):
             scaled_query[d] = float32(query[row, head, d]) * scale
         weighted_sum = cuda.local.array(dims_per_thread, float32)
@@ -99,8 +101,10 @@ def build_kernel(threads: int, dims_per_thread: int):
         cuda.syncthreads()
 
         for tile_start in range(0, num_keys, threads):
-            key = tile_start + thread
-            if key < num_keys:
+            keys_in_tile = min(threads, num_keys - tile_start)
+            # 1. Thread t scores key tile_start + t, read from the cache via the block table.
+            if thread < keys_in_tile:
+                key = tile_start + thread
                 block = block_tables[seq, key // block_size]
                 offset = key % block_size
                 score = float32(0.0)
@@ -109,29 +113,34 @@ def build_kernel(threads: int, dims_per_thread: int):
                 scores[thread] = score
             cuda.syncthreads()
 
-            # Every thread reads every score of the tile (a broadcast read of shared
-            # memory), so they all hold the same max and denominator: no reduction step.
-            keys_in_tile = min(threads, num_keys - tile_start)
+            # 2. Every thread reads every score (a broadcast read of shared memory), so all
+            #    agree on the new running max without a reduction step; thread t then turns
+            #    its own score into a softmax weight under that max.
             tile_max = running_max
             for j in range(keys_in_tile):
                 tile_max = max(tile_max, scores[j])
+            if thread < keys_in_tile:
+                weights[thread] = math.exp(scores[thread] - tile_max)
+            cuda.syncthreads()
+
+            # 3. Thread t owns output dims t, t + threads, ...: rescale them to the new max,
+            #    then add the tile's weighted values (consecutive threads, consecutive dims).
             correction = math.exp(running_max - tile_max)  # exp(-inf) = 0 on the first tile
             denominator *= correction
             for i in range(dims_per_thread):
                 weighted_sum[i] *= correction
             for j in range(keys_in_tile):
-                weight = math.exp(scores[j] - tile_max)
-                denominator += weight
+                denominator += weights[j]
                 key = tile_start + j
                 block = block_tables[seq, key // block_size]
                 offset = key % block_size
                 for i in range(dims_per_thread):
-                    d = thread + i * threads  # consecutive threads read consecutive dims
+                    d = thread + i * threads
                     if d < head_dim:
                         value = float32(value_cache[block, offset, kv_head, d])
-                        weighted_sum[i] += weight * value
+                        weighted_sum[i] += weights[j] * value
             running_max = tile_max
-            cuda.syncthreads()  # the next tile overwrites `scores`
+            cuda.syncthreads()  # the next tile overwrites scores and weights
 
         for i in range(dims_per_thread):
             d = thread + i * threads
