@@ -37,12 +37,23 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     o.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     o.add_argument("--plot", default=None, metavar="DIR", help="write timeline/batch/CDF PNGs")
     o.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    o.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for every run (default: torch's). On a CPU shared with other "
+        "busy processes, 1 avoids threads waiting on each other at every small op",
+    )
 
 
 def run_bench(args: argparse.Namespace) -> int:
     from minivllm.bench import report
     from minivllm.bench.runner import run_engine
 
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     for policy in policies:
         _engine_config(args, policy)  # a bad option or policy name fails before any work
@@ -163,9 +174,12 @@ def _context(args, config, workload: Workload, max_model_len: int, num_kv_blocks
     )
     if args.max_concurrency:
         mode += f", max concurrency {args.max_concurrency}"
+    import torch
+
     model = config.model or "SmolLM2-135M-Instruct"
     title = (
-        f"{model} | {config.torch_dtype} on {config.torch_device} | attention "
+        f"{model} | {config.torch_dtype} on {config.torch_device}, "
+        f"{torch.get_num_threads()} threads | attention "
         f"{config.attention_backend} | max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
         f"{config.max_num_batched_tokens}, max_model_len {max_model_len}, {num_kv_blocks} KV "
         f"blocks x {config.block_size}\n{workload.describe()} | {mode}"
@@ -188,4 +202,5 @@ def _context(args, config, workload: Workload, max_model_len: int, num_kv_blocks
             "request_rate": args.request_rate if math.isfinite(args.request_rate) else None,
             "max_concurrency": args.max_concurrency,
         },
+        "torch_threads": torch.get_num_threads(),
     }
