@@ -17,7 +17,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--attention-backend", default="torch", choices=available_backends())
+    g.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", *available_backends()],
+        help="auto: numba-cpu on CPU when numba is installed, else torch (the reference)",
+    )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto")
     g.add_argument("--seed", type=int, default=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -65,10 +66,10 @@ class EngineConfig:
         # Imported here: the registry imports nothing heavy, but keep config import-light.
         from minivllm.attention import available_backends
 
-        if self.attention_backend not in available_backends():
+        if self.attention_backend != "auto" and self.attention_backend not in available_backends():
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "
-                f"available: {', '.join(available_backends())}"
+                f"available: auto, {', '.join(available_backends())}"
             )
 
     @property
@@ -79,8 +80,29 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            # fp32 on CPU: half-precision matmuls are slow there and fp32 is what the
-            # parity tests compare against. On a GPU, bf16 like vLLM.
-            return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
-        return DTYPES[self.dtype]
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if self.torch_device.type == "cpu":
+            # fp32 on CPU: half-precision matmuls are slow there, and fp32 is what the
+            # parity tests compare against.
+            return torch.float32
+        # On a GPU bf16, like vLLM, unless the chosen backend only runs fp16/fp32.
+        if self.attention_backend in ("auto", "torch"):
+            return torch.bfloat16
+        from minivllm.attention import get_backend
+
+        supported = get_backend(self.attention_backend).supported_dtypes
+        preferred = (torch.bfloat16, torch.float16, torch.float32)
+        return next((d for d in preferred if d in supported), torch.bfloat16)
+
+    @property
+    def attention_backend_name(self) -> str:
+        """The backend "auto" stands for. Like vLLM, pick the fastest one for the
+        platform: the numba kernel on CPU in fp32 when numba is installed, otherwise the
+        torch reference (which runs everywhere)."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        on_cpu_fp32 = self.torch_device.type == "cpu" and self.torch_dtype == torch.float32
+        if on_cpu_fp32 and importlib.util.find_spec("numba") is not None:
+            return "numba-cpu"
+        return "torch"

@@ -36,7 +36,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device, dtype = config.torch_device, config.torch_dtype
-        backend_cls = get_backend(config.attention_backend)
+        backend_cls = get_backend(config.attention_backend_name)
         backend_cls.check_supported(dtype, device)
         model_path = config.model
         if model_path is None:

@@ -67,8 +67,10 @@ class AttentionBackend(ABC):
     """Read-only paged attention over a mixed batch of prefill chunks and decodes.
 
     Subclasses set ``name`` (the registry key), the dtypes and device types they run on,
-    and implement `forward`. Grouped-query attention: ``num_heads`` must be a multiple
-    of ``num_kv_heads``; query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
+    and implement `forward`. The engine builds one instance with no arguments and shares
+    it across every layer, so per-call state belongs in `forward`'s arguments.
+    Grouped-query attention: ``num_heads`` must be a multiple of ``num_kv_heads``;
+    query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
     """
 
     name: ClassVar[str]

@@ -180,9 +180,10 @@ def _context(args, config, workload: Workload, max_model_len: int, num_kv_blocks
     title = (
         f"{model} | {config.torch_dtype} on {config.torch_device}, "
         f"{torch.get_num_threads()} threads | attention "
-        f"{config.attention_backend} | max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
-        f"{config.max_num_batched_tokens}, max_model_len {max_model_len}, {num_kv_blocks} KV "
-        f"blocks x {config.block_size}\n{workload.describe()} | {mode}"
+        f"{config.attention_backend_name} | max_num_seqs {config.max_num_seqs}, "
+        f"max_num_batched_tokens {config.max_num_batched_tokens}, max_model_len "
+        f"{max_model_len}, {num_kv_blocks} KV blocks x {config.block_size}\n"
+        f"{workload.describe()} | {mode}"
     )
     engine_config = asdict(config) | {
         "max_model_len": max_model_len,
