@@ -53,7 +53,7 @@ print(f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {torch.get_num_thread
 workload = synthetic(
     num_requests=16,
     prompt_len=LengthDistribution.parse("uniform:16:200"),
-    output_len=LengthDistribution.parse("uniform:4:48"),
+    output_len=LengthDistribution.parse("uniform:4:32"),
     token_range=(100, 49152),  # skip SmolLM2's special tokens at the start of the vocabulary
     seed=0,
 )
