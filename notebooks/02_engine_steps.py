@@ -105,13 +105,15 @@ while step == 0 or engine.has_unfinished_requests():
     for rid in arrivals.get(step, []):
         engine.add_request(rid, prompts[rid], params[rid])
         print(f"        + request {rid} arrives")
+    finished = []
     for output in engine.step():
         texts[output.request_id] = output.outputs[0].text
         if output.finished:
-            print(f"        - request {output.request_id} finished "
-                  f"({output.outputs[0].finish_reason})")  # fmt: skip
+            finished.append(f"{output.request_id} ({output.outputs[0].finish_reason})")
     step += 1
     history.append(describe(step))
+    if finished:
+        print("        - finished in this step:", ", ".join(finished))
 
 # %% [markdown]
 # Things to notice in the log:
@@ -123,7 +125,8 @@ while step == 0 or engine.has_unfinished_requests():
 #   budget the decodes leave: A and B keep producing a token every step while C is
 #   prefilled. That is why chunking avoids *decode starvation*.
 # - **Join and leave at any step.** D waits (`waiting 1`) only because `max_num_seqs = 3`;
-#   it starts in the step after A or B finishes, not when the whole batch is done.
+#   it starts in the step after one of the others finishes, not when the whole batch is
+#   done.
 # - A sequence samples a token only when its chunk reaches its last known token. A prefill
 #   chunk that ends mid-prompt produces no token.
 #
