@@ -30,9 +30,20 @@ $(MODEL_STAMP): $(INSTALLED)
 	$(PY) -m minivllm.model_files
 	touch $@
 
+# A few prompts, then static vs continuous batching measured on one seeded workload (with
+# transformers' generate and generate_batch as reference rows): the table prints here, in
+# ~5 minutes on a 2-core CPU; JSON and the timeline / batch / latency plots go to DEMO_OUT.
+# One torch thread by default: on a CPU shared with other busy processes, two threads wait
+# on each other at every small op (several times slower); DEMO_THREADS=2 on an idle machine.
+DEMO_OUT ?= /tmp/minivllm-demo
+DEMO_THREADS ?= 1
 demo: $(MODEL_STAMP)
 	$(VENV)/bin/minivllm generate --max-tokens 48 \
 		"What is continuous batching?" "Write a haiku about paging." "Name three prime numbers."
+	$(VENV)/bin/minivllm bench --policy static,continuous --compare-hf \
+		--num-prompts 32 --prompt-len uniform:16:400 --output-len uniform:8:128 \
+		--max-num-seqs 16 --attention-backend numba-cpu --threads $(DEMO_THREADS) \
+		--json $(DEMO_OUT)/bench.json --plot $(DEMO_OUT)
 
 # Everything that proves the issues: unit + property tests, real-model parity.
 test: $(MODEL_STAMP)
