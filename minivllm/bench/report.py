@@ -131,7 +131,8 @@ def write_json(path: str | Path, runs: list[BenchRun], context: dict) -> None:
     per-request latencies, and the targets."""
     data = dict(context)
     data["runs"] = {run.name: _run_json(run) for run in runs}
-    data["targets"] = [asdict(t) | {"met": t.met} for t in targets(runs)]
+    offline = data.get("workload", {}).get("request_rate") is None
+    data["targets"] = [asdict(t) | {"met": t.met} for t in targets(runs)] if offline else []
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(data, indent=2))
 
