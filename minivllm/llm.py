@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tqdm.auto import tqdm
+from tqdm import tqdm  # plain text bar: works in terminals and notebooks alike
 
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine, Prompt
