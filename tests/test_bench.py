@@ -149,3 +149,15 @@ def test_bench_smoke_on_smollm2(tmp_path, capsys):
     assert main(argv) == 0
     data = json.loads((tmp_path / "b.json").read_text())
     assert data["runs"]["continuous"]["summary"]["num_output_tokens"] == 16
+
+
+def test_prefix_cache_hit_rate_is_reported(tiny_llama_path, tmp_path):
+    json_path = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(tiny_llama_path), "--policy", "continuous"]
+    argv += ["--workload", "shared-prefix", "--system-prompt-len", "32", "--num-prompts", "4"]
+    argv += ["--prompt-len", "uniform:4:8", "--output-len", "2", "--max-num-seqs", "2"]
+    argv += ["--num-kv-blocks", "64", "--enable-prefix-caching", "--no-progress"]
+    assert main(argv + ["--json", str(json_path)]) == 0
+    summary = json.loads(json_path.read_text())["runs"]["continuous"]["summary"]
+    # The first request computes the shared 32 tokens (2 blocks); the other three find them.
+    assert 0 < summary["prefix_cache_hit_rate"] < 1
