@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from minivllm.bench.runner import BenchRun
 from minivllm.bench.workloads import Workload

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from minivllm.bench.workloads import BenchRequest, Workload
 from minivllm.config import EngineConfig
