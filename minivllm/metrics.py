@@ -13,9 +13,11 @@ latency, padding waste, KV-cache utilisation, preemptions, prefix-cache hit rate
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from minivllm.sequence import RequestMetrics, SequenceStatus
 
@@ -123,6 +125,24 @@ class RunSummary:
     mean_batch_size: float | None = None  # real sequences per step
     num_preemptions: int | None = None
     prefix_cache_hit_rate: float | None = None
+    model_flops: float | None = None  # the useful work: `ModelConfig.request_flops`, summed
+
+    @property
+    def model_gflops_per_s(self) -> float | None:
+        """Useful work per second: how close the run came to the machine's matmul peak."""
+        return None if self.model_flops is None else self.model_flops / self.duration / 1e9
+
+
+def measure_matmul_peak(size: int = 1024, seconds: float = 1.0) -> float:
+    """This machine's fp32 matrix-multiply speed right now, in GFLOP/s, with torch's
+    current thread count: the roofline that no step of the model can beat."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)  # warm-up
+    num_calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        torch.mm(a, b)
+        num_calls += 1
+    return 2 * size**3 * num_calls / elapsed / 1e9
 
 
 def summarize(

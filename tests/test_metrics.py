@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from minivllm.metrics import (
     LatencyStats,
@@ -93,3 +94,21 @@ def test_summary_adds_step_totals():
     assert s.padding_waste == 4 / 10
     assert s.kv_utilization == 6 / 16
     assert s.max_kv_blocks_used == 2
+
+
+def test_request_flops_match_the_models_weights(tiny_model_path):
+    """One prompt token, one output: every weight matrix is used once (2 flops per
+    weight) and attention reads one key and one value per query head per layer."""
+    from minivllm import LLM
+
+    llm = LLM(model=str(tiny_model_path), num_kv_blocks=4)
+    model = llm.llm_engine.model
+    config = model.config
+    matmul_weights = sum(
+        module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear)
+    )
+    attention = 4 * config.num_heads * config.head_dim * config.num_layers
+    assert config.request_flops(1, 1) == 2 * matmul_weights + attention
+    # A second prompt token adds one row of projections and attention over 2 keys.
+    rows = 2 * (matmul_weights - config.vocab_size * config.hidden_size)
+    assert config.request_flops(2, 1) - config.request_flops(1, 1) == rows + 2 * attention

@@ -47,12 +47,13 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    import torch
+
     from minivllm.bench import report
     from minivllm.bench.runner import run_engine
+    from minivllm.metrics import measure_matmul_peak
 
     if args.threads is not None:
-        import torch
-
         torch.set_num_threads(args.threads)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     for policy in policies:
@@ -71,10 +72,17 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.compare_hf:
         runs += _hf_runs(args, configs[0], model_path, workload, num_kv_blocks, progress)
 
+    _add_model_flops(runs, model_path)
     context = _context(args, configs[0], workload, max_model_len, num_kv_blocks)
+    context["matmul_peak_gflops"] = measure_matmul_peak()
     print()
     print(context["title"])
     print(report.format_table(runs))
+    print(
+        f"\nfp32 matmul peak measured just now: {context['matmul_peak_gflops']:.0f} GFLOP/s "
+        f"({torch.get_num_threads()} threads); model GFLOP/s counts useful work only "
+        "(no padding, no recomputation)"
+    )
     agree = report.outputs_agree(runs, "static", "continuous")
     if agree:
         print(f"\ngreedy outputs identical under both policies: {agree[0]}/{agree[1]} requests")
@@ -91,6 +99,18 @@ def run_bench(args: argparse.Namespace) -> int:
         paths = write_all(runs, args.plot)
         print("plots: " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _add_model_flops(runs, model_path) -> None:
+    """Each run's useful work, from the model's shape and the requests' lengths."""
+    from minivllm.models.loader import load_hf_config, model_config_from_hf
+
+    model_config = model_config_from_hf(load_hf_config(model_path))
+    for run in runs:
+        run.summary.model_flops = sum(
+            model_config.request_flops(r.num_prompt_tokens, r.num_output_tokens)
+            for r in run.requests
+        )
 
 
 def build_workload(args: argparse.Namespace, tokenizer, vocab_size: int) -> Workload:

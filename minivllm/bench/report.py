@@ -46,6 +46,7 @@ def table_rows(summary: RunSummary) -> list[tuple[str, float | None, str]]:
         ("total tokens/s", s.total_token_throughput, ".1f"),
         ("requests/s", s.request_throughput, ".2f"),
         ("duration (s)", s.duration, ".1f"),
+        ("model GFLOP/s (useful work)", s.model_gflops_per_s, ".1f"),
     ]
     for label, name in LATENCIES:
         stats = getattr(s, name)
