@@ -46,6 +46,39 @@ def simulator_enabled() -> bool:
     return bool(config.ENABLE_CUDASIM)
 
 
+def _serialize_simulator_shared_arrays() -> None:
+    """Fix a race in numba-cuda's simulator (0.30): ``cuda.shared.array`` looks up the
+    array for its source line, and creates it if missing, without a lock. Two simulated
+    threads reaching the line at once can each create their own "shared" array and never
+    see each other's writes; this kernel then returned a wrong row about once in a hundred
+    launches. A real GPU has no such race. Same lookup, made atomic."""
+    import sys
+    import threading
+
+    from numba.core import types
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    from numba.np import numpy_support
+
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic / aligned: not used here
+            raise NotImplementedError("minivllm's simulator patch covers static arrays only")
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        with lock:
+            if key not in self._allocations:
+                self._allocations[key] = np.empty(shape, dtype)
+            return self._allocations[key]
+
+    FakeCUDAShared.array = array
+
+
+if simulator_enabled():
+    _serialize_simulator_shared_arrays()
+
 # The simulator runs every CUDA thread as a Python thread: few threads keep it fast.
 DEFAULT_THREADS = 4 if simulator_enabled() else 64
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 TINY_VOCAB = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(253)]  # 256 tokens
 
 
@@ -31,6 +31,8 @@ def make_tiny_checkpoint(path: Path, architecture: str = "llama", seed: int = 0)
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -54,6 +56,8 @@ def make_tiny_checkpoint(path: Path, architecture: str = "llama", seed: int = 0)
     )
     config_cls, model_cls, extra = {
         "llama": (LlamaConfig, LlamaForCausalLM, {"rope_theta": 10000.0}),
+        # A sliding window wider than any test sequence: full attention, as minivllm does.
+        "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 1024}),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
     }[architecture]

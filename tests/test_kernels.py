@@ -456,3 +456,27 @@ def test_gpu_check_parity_runs_in_the_simulator(tiny_llama_path) -> None:
     from minivllm_kernels.gpu_check import check_smollm2_parity
 
     check_smollm2_parity(CUDA_DEVICE, str(tiny_llama_path), ["w1 w2 w3"], max_tokens=2)
+
+
+@pytest.mark.skipif(ON_REAL_GPU, reason="a property of numba's CUDA simulator")
+def test_simulated_threads_share_one_shared_array():
+    """numba-cuda's simulator creates a shared array without a lock, so simulated threads
+    could each get their own copy; minivllm_kernels.numba_cuda serializes the lookup."""
+    import threading
+
+    import minivllm_kernels.numba_cuda  # noqa: F401  (installs the fix)
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+    def allocate(shared, barrier, arrays):
+        barrier.wait()  # all threads reach the allocating line together
+        arrays.append(shared.array(4, numba.float32))
+
+    for _ in range(100):  # without the fix, about 1 round in 10 hands out copies
+        args = (FakeCUDAShared(0), threading.Barrier(8), [])
+        threads = [threading.Thread(target=allocate, args=args) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        arrays = args[2]
+        assert all(array is arrays[0] for array in arrays)
