@@ -110,7 +110,6 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
-        params._eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -213,7 +212,7 @@ class LLMEngine:
         token = seq.token_ids[-1]
         stop_string = self.detokenizers[seq.request_id].update(seq.output_token_ids)
         if seq.num_output_tokens >= params.min_tokens:
-            if token in params._eos_token_ids:
+            if token in self.eos_token_ids and not params.ignore_eos:
                 return self.scheduler.finish(seq, FinishReason.STOP, now)
             if token in params.stop_token_ids:
                 return self.scheduler.finish(seq, FinishReason.STOP, now, stop_reason=token)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class RequestOutputKind(enum.Enum):
@@ -37,8 +37,6 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Filled by the engine: the tokenizer's / generation config's end-of-sequence ids.
-    _eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
