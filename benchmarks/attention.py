@@ -18,37 +18,12 @@ import statistics
 import time
 
 import torch
+from minivllm_kernels.random_batch import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, random_paged_step
 
-from minivllm.attention import AttentionMetadata, get_backend
+from minivllm.attention import get_backend
 
 MEMORY_READ_GBPS = 31.0
 GEMM_PEAK_GFLOPS = 185.0
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
-
-
-def make_step(context_lens: list[int], query_lens: list[int], seed: int = 0):
-    """Random query and paged KV cache (shuffled block ids) for one step, fp32."""
-    generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in context_lens]
-    block_ids = torch.randperm(sum(blocks_per_seq), generator=generator)
-    tables = torch.zeros(len(context_lens), max(blocks_per_seq), dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(blocks_per_seq):
-        tables[i, :n] = block_ids[start : start + n]
-        start += n
-    cache_shape = (sum(blocks_per_seq), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    key_cache = torch.randn(cache_shape, generator=generator)
-    value_cache = torch.randn(cache_shape, generator=generator)
-    query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, generator=generator)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64),  # unused by forward
-        cu_seqlens_q=torch.tensor([0, *torch.tensor(query_lens).cumsum(0)], dtype=torch.int32),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32),
-        block_tables=tables,
-        max_query_len=max(query_lens),
-        max_context_len=max(context_lens),
-    )
-    return query, key_cache, value_cache, metadata
 
 
 def work(context_lens: list[int], query_lens: list[int]) -> tuple[float, float]:
@@ -90,7 +65,7 @@ def main() -> None:
     import numba  # imported by the numba-cpu backend above
 
     # One tiny call starts numba's thread pool, so threading_layer() can name the layer.
-    backends["numba-cpu"].forward(*make_step([1], [1]), HEAD_DIM**-0.5)
+    backends["numba-cpu"].forward(*random_paged_step([1], [1]), HEAD_DIM**-0.5)
     print(
         f"torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()} "
         f"(layer {numba.threading_layer()}); "
@@ -101,7 +76,7 @@ def main() -> None:
         f" {'GB/s':>6} {'GFLOP/s':>8}"
     )
     for case, (context_lens, query_lens) in cases.items():
-        step = make_step(context_lens, query_lens)
+        step = random_paged_step(context_lens, query_lens)
         num_bytes, flops = work(context_lens, query_lens)
         for name, backend in backends.items():
             times = sorted(time_calls(backend, step, args.repeats))

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from minivllm_kernels.random_batch import HEAD_DIM, NUM_KV_HEADS, random_paged_step
 
-from minivllm.attention import AttentionMetadata, get_backend
+from minivllm.attention import get_backend
 
 REPO = Path(__file__).resolve().parents[1]
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2-135M's attention
 PARITY_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -81,30 +81,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
-
-
-def make_decode_batch(context_lens: list[int], dtype: torch.dtype, device: str):
-    """One decode row per sequence over a paged cache with shuffled block ids."""
-    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in context_lens]
-    block_ids = torch.randperm(sum(blocks_per_seq))
-    tables = torch.zeros(len(context_lens), max(blocks_per_seq), dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(blocks_per_seq):
-        tables[i, :n] = block_ids[start : start + n]
-        start += n
-    cache_shape = (sum(blocks_per_seq), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    key_cache = torch.randn(cache_shape, dtype=dtype, device=device)
-    value_cache = torch.randn(cache_shape, dtype=dtype, device=device)
-    query = torch.randn(len(context_lens), NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.zeros(len(context_lens), dtype=torch.int64, device=device),
-        cu_seqlens_q=torch.arange(len(context_lens) + 1, dtype=torch.int32, device=device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
-        max_query_len=1,
-        max_context_len=max(context_lens),
-    )
-    return query, key_cache, value_cache, metadata
 
 
 def padded_sdpa_decode(query, key_cache, value_cache, metadata, scale):
@@ -165,7 +141,7 @@ def benchmark_decode(
     print(f"{'case':22} {'dtype':8} {'path':20} {'ms':>8} {'GB/s':>8}")
     for case, context_lens in cases.items():
         for dtype in dtypes:
-            batch = make_decode_batch(context_lens, dtype, device)
+            batch = random_paged_step(context_lens, [1] * len(context_lens), dtype, device)
             element = torch.finfo(dtype).bits // 8
             kv_bytes = 2 * sum(context_lens) * NUM_KV_HEADS * HEAD_DIM * element
             reference = paths["torch reference"](*batch, scale)
