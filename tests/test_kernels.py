@@ -402,11 +402,13 @@ def test_numba_cpu_is_faster_than_torch_reference_on_a_decode_batch() -> None:
 PTX_SCRIPT = """
 import types
 import numba.cuda.dispatcher as dispatcher
+from numba.cuda.cudadrv.nvrtc import _get_nvrtc_version
 from numba.cuda.cudadrv.nvvm import NVVM
-try:
+try:  # both libraries compile_ptx needs; `pip install minivllm[ptx]` brings them
     NVVM()
+    _get_nvrtc_version()
 except Exception as error:
-    print(f"NVVM is not installed ({type(error).__name__}: {error})")
+    print(f"libNVVM / NVRTC not found: pip install -e '.[ptx]' ({type(error).__name__}: {error})")
     raise SystemExit(77)
 # compile_ptx looks up the current GPU to compile device functions; there is none here.
 dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
@@ -430,7 +432,7 @@ print("OK")
 @pytest.mark.skipif(ON_REAL_GPU, reason="the GPU run compiles and runs the kernel for real")
 def test_cuda_kernel_compiles_to_sm90_ptx_without_float64() -> None:
     """Typing/lowering errors the simulator never sees; float64 would be slow on a GPU.
-    Needs `pip install "nvidia-nvvm==13.*" "nvidia-cuda-nvrtc==13.*"` (not a dependency)."""
+    Needs libNVVM and NVRTC: the ``ptx`` extra, which `make install` installs."""
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
     result = subprocess.run(
         [sys.executable, "-c", PTX_SCRIPT], env=env, capture_output=True, text=True, cwd=REPO
