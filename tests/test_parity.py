@@ -83,9 +83,7 @@ SMOL_PROMPTS = [
 def test_smollm2_matches_transformers(smollm2_path):
     """The real model: a batch of prompts of different lengths, greedy, 24 tokens each,
     run with chunked prefill and preemption pressure at the same time."""
-    llm = LLM(
-        model=str(smollm2_path), num_kv_blocks=20, block_size=8, max_num_batched_tokens=48
-    )
+    llm = LLM(model=str(smollm2_path), num_kv_blocks=20, block_size=8, max_num_batched_tokens=48)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(SMOL_PROMPTS, params, use_tqdm=False)
     assert llm.llm_engine.scheduler.num_preemptions > 0
