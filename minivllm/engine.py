@@ -20,7 +20,7 @@ from minivllm.detokenizer import Detokenizer
 from minivllm.kv_cache_manager import KVCacheManager, cdiv
 from minivllm.metrics import StepStats
 from minivllm.model_runner import ModelRunner
-from minivllm.models.loader import load_model
+from minivllm.models.loader import load_model, load_tokenizer
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.scheduler import Scheduler, SchedulerOutput
@@ -44,7 +44,7 @@ class LLMEngine:
 
             model_path = default_model_path()
         self.model, hf_config = load_model(model_path, backend_cls(), dtype, device)
-        self.tokenizer = _load_tokenizer(model_path)
+        self.tokenizer = load_tokenizer(model_path)
         self.eos_token_ids = _eos_token_ids(model_path, hf_config, self.tokenizer)
         model_config = self.model.config
 
@@ -276,15 +276,6 @@ class LLMEngine:
             "prefix_cache_hit_rate": prefix_cache.hit_rate,
             "config": asdict(self.config),
         }
-
-
-def _load_tokenizer(model_path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError):
-        return None  # a checkpoint without tokenizer: token-id prompts only
 
 
 def _eos_token_ids(model_path, hf_config, tokenizer) -> frozenset[int]:

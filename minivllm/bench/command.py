@@ -150,13 +150,10 @@ def _engine_config(args: argparse.Namespace, policy: str, max_model_len: int | N
 
 
 def _tokenizer_and_vocab_size(model_path):
-    from transformers import AutoConfig, AutoTokenizer
+    from minivllm.models.loader import load_hf_config, load_tokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError):
-        tokenizer = None  # token-id workloads still work
-    return tokenizer, AutoConfig.from_pretrained(model_path).vocab_size
+    # Without a tokenizer, token-id workloads still work.
+    return load_tokenizer(model_path), load_hf_config(model_path).vocab_size
 
 
 def _hf_runs(args, config, model_path, workload: Workload, num_kv_blocks, progress) -> list:

@@ -57,7 +57,6 @@ def run_engine(
     short warm-up, and measure it."""
     engine = engine or LLMEngine(config)
     _warm_up(engine, workload)
-    cache_before = _prefix_cache_counts(engine)
     engine.step_log = []
     desc = f"minivllm {engine.config.scheduling_policy}"
     with tqdm(total=len(workload.requests), desc=desc, disable=not progress) as bar:
@@ -70,7 +69,11 @@ def run_engine(
         steps,
         block_size=engine.config.block_size,
         num_preemptions=sum(len(s.preempted_ids) for s in steps),
-        prefix_cache_hit_rate=_prefix_cache_hit_rate(engine, cache_before),
+        prefix_cache_hit_rate=(
+            engine.kv_cache_manager.prefix_cache_stats.hit_rate
+            if engine.config.enable_prefix_caching
+            else None
+        ),
     )
     policy, block_size = engine.config.scheduling_policy, engine.config.block_size
     return BenchRun(
@@ -119,27 +122,12 @@ def _add(engine: LLMEngine, request: BenchRequest, arrival_time: float) -> None:
 
 def _warm_up(engine: LLMEngine, workload: Workload) -> None:
     """A couple of short requests first, so one-time costs (allocator, kernel caches,
-    numba compiles) are not billed to the measured run."""
-    # Reversed, so that the warm-up leaves nothing in the prefix cache the run could hit.
-    prompt = {"prompt_token_ids": workload.requests[0].prompt_token_ids[::-1][:32]}
+    numba compiles) are not billed to the measured run; then forget what they left in the
+    prefix cache and its hit counters, so the run starts cold and counts only itself."""
+    prompt = {"prompt_token_ids": workload.requests[0].prompt_token_ids[:32]}
     for i in range(2):
         engine.add_request(f"warmup-{i}", prompt, exact_params(4))
     while engine.has_unfinished_requests():
         engine.step()
-
-
-def _prefix_cache_counts(engine: LLMEngine) -> tuple[int, int] | None:
-    """(prompt tokens looked up, tokens found) so far, when prefix caching is on."""
-    stats = getattr(engine.kv_cache_manager, "prefix_cache_stats", None)
-    if not engine.config.enable_prefix_caching or stats is None:
-        return None
-    return stats.num_queried_tokens, stats.num_hit_tokens
-
-
-def _prefix_cache_hit_rate(engine: LLMEngine, before: tuple[int, int] | None) -> float | None:
-    """The hit rate of the measured run alone (the warm-up's lookups subtracted)."""
-    after = _prefix_cache_counts(engine)
-    if after is None or before is None:
-        return None
-    queried, hits = after[0] - before[0], after[1] - before[1]
-    return hits / queried if queried else 0.0
+    was_reset = engine.reset_prefix_cache()
+    assert was_reset, "nothing is in flight after the warm-up"

@@ -43,6 +43,16 @@ def load_hf_config(path: str | Path) -> PretrainedConfig:
     return hf_config
 
 
+def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer, or None if it has none (token-id prompts only)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
 def model_config_from_hf(hf_config: PretrainedConfig) -> ModelConfig:
     architecture = next(a for a in hf_config.architectures if a in SUPPORTED_ARCHITECTURES)
     switches = SUPPORTED_ARCHITECTURES[architecture]
