@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,72 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 # "continuous": vLLM's token-level batching (scheduler.py). "static": request-level
 # batching as servers did before it (static_scheduler.py), kept to measure the difference.
 SCHEDULING_POLICIES = ("continuous", "static")
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``: ``{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_min": a, "prompt_lookup_max": b}``.
+
+    ``num_speculative_tokens`` is required. As in vLLM, if neither lookup bound is given
+    both are 5; if one is given the other copies it."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    @classmethod
+    def from_dict(cls, options: dict) -> SpeculativeConfig:
+        if not isinstance(options, dict):
+            raise ValueError(f"speculative_config must be a dict, got {options!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config key(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        return cls(**options)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"unknown speculative method {self.method!r}; "
+                f"choose {', '.join(SPECULATIVE_METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be a positive int, got {k!r}")
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
+
+
+def _json_object(text: str) -> dict:
+    """argparse type for ``--speculative-config '{...}'``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 @dataclass
@@ -58,6 +125,14 @@ class EngineConfig:
         default="continuous",
         metadata={"choices": SCHEDULING_POLICIES, "aliases": ("--policy",)},
     )
+    speculative_config: SpeculativeConfig | dict | None = field(
+        default=None,
+        metadata={
+            "help": 'speculative decoding, as JSON: \'{"method": "ngram", '
+            '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+            "type": _json_object,
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -79,6 +154,12 @@ class EngineConfig:
             )
         if self.scheduling_policy == "static" and self.enable_prefix_caching:
             raise ValueError("prefix caching needs the paged cache of the continuous policy")
+        if self.speculative_config is not None and not isinstance(
+            self.speculative_config, SpeculativeConfig
+        ):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative_config is not None and self.scheduling_policy == "static":
+            raise ValueError("speculative decoding needs the continuous scheduling policy")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but torch sees no CUDA GPU")
         # Imported here: the registry imports nothing heavy, but keep config import-light.
@@ -140,6 +221,8 @@ class EngineConfig:
             options = {"default": f.default, "help": f.metadata.get("help")}
             if f.type == "bool":
                 options["action"] = argparse.BooleanOptionalAction
+            elif "type" in f.metadata:
+                options["type"] = f.metadata["type"]
             else:
                 options["type"] = int if f.type.startswith("int") else str
             if f.name == "attention_backend":

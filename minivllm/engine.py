@@ -25,6 +25,7 @@ from minivllm.scheduler import Scheduler
 from minivllm.scheduler_interface import SchedulerInterface
 from minivllm.scheduler_output import SchedulerOutput
 from minivllm.sequence import FinishReason, SequenceStatus
+from minivllm.spec_decode import NgramProposer
 from minivllm.static_scheduler import StaticBatchScheduler
 
 __all__ = ["LLMEngine", "Prompt"]
@@ -68,9 +69,16 @@ class LLMEngine:
             return StaticBatchScheduler(
                 self.kv_cache_manager, c.max_num_seqs, self.max_model_len, self.clock
             )
+        proposer = None
+        if c.speculative_config is not None:
+            spec = c.speculative_config
+            proposer = NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
         return Scheduler(
-            self.kv_cache_manager, c.max_num_seqs, c.max_num_batched_tokens, self.clock
-        )
+            self.kv_cache_manager, c.max_num_seqs, c.max_num_batched_tokens, self.clock,
+            self.max_model_len, proposer,
+        )  # fmt: skip
 
     def get_tokenizer(self):
         return self.executor.get_tokenizer()
@@ -149,6 +157,7 @@ class LLMEngine:
         """A snapshot of the engine's queues and KV pool, e.g. for a progress display."""
         prefix_cache = self.kv_cache_manager.prefix_cache_stats
         waiting = list(self.scheduler.waiting)
+        spec_decode = getattr(self.scheduler, "spec_decoding_stats", None)
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": sum(s.status is SequenceStatus.WAITING for s in waiting),
@@ -161,5 +170,7 @@ class LLMEngine:
             "prefix_cache_query_tokens": prefix_cache.num_queried_tokens,
             "prefix_cache_hit_tokens": prefix_cache.num_hit_tokens,
             "prefix_cache_hit_rate": prefix_cache.hit_rate,
+            # Speculative decoding (vLLM's counters and derived rates; zero when it is off).
+            **(spec_decode.as_dict() if spec_decode is not None else {}),
             "config": asdict(self.config),
         }

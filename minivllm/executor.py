@@ -42,6 +42,11 @@ class UniProcExecutor:
         self.device, dtype = config.torch_device, config.torch_dtype
         backend_cls = get_backend(config.attention_backend_name)
         backend_cls.check_supported(dtype, self.device)
+        if config.speculative_config is not None and not backend_cls.supports_multi_token_decode:
+            raise ValueError(
+                f"attention backend {backend_cls.name!r} cannot take multi-token decode "
+                "queries, which speculative decoding needs; choose another backend"
+            )
         model_path = config.model
         if model_path is None:
             from minivllm.models.model_files import default_model_path

@@ -8,9 +8,10 @@ Automatic prefix caching (vLLM's design). Each *full* block of a request is name
 chained hash: ``hash(parent block's hash, this block's token ids)``, so equal hashes mean
 equal tokens at equal positions *and* an equal prefix before them, hence equal keys and
 values. After every step, `cache_full_blocks` registers the blocks that became full
-(prefill chunks and decodes alike). When a request is admitted, `get_computed_blocks`
-looks up its block hashes in order and returns the longest cached run; the
-request shares those blocks (reference count + 1) and starts computing after them.
+(prefill chunks and decodes alike; never one holding a draft token not verified yet).
+When a request is admitted, `get_computed_blocks` looks up its block hashes in order and
+returns the longest cached run; the request shares those blocks (reference count + 1) and
+starts computing after them.
 
 A block is registered once a step has computed it. vLLM registers it already when the step
 is scheduled (every layer writes the step's keys and values before any attention reads
@@ -125,18 +126,34 @@ class KVCacheManager:
             self.prefix_cache_stats.num_hit_tokens += len(computed_blocks) * self.block_size
         return True
 
-    def cache_full_blocks(self, seq: Sequence, num_new_tokens: int) -> None:
-        """``seq``'s last ``num_new_tokens`` computed tokens were just written to the cache:
-        register the blocks they filled, so that later requests can share them."""
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register ``seq``'s blocks that are full of computed *and known* tokens and not
+        registered yet, so that later requests can share them.
+
+        "Known" matters with speculative decoding: accepted drafts are computed in the step
+        that verifies them but join ``seq.token_ids`` only afterwards (the output processor
+        appends them), so their block is registered one step later. Rejected drafts lie
+        past ``num_computed_tokens`` and are never registered: no block holding an
+        unverified token can be shared."""
         if not self.enable_prefix_caching:
             return
-        first = (seq.num_computed_tokens - num_new_tokens) // self.block_size
-        end = seq.num_computed_tokens // self.block_size
+        end = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        first = end  # blocks are registered in order: walk back to the first unregistered
+        while first > 0 and self.allocator.block_hashes[seq.block_table[first - 1]] is None:
+            first -= 1
         for i in range(first, end):
             parent_hash = b"" if i == 0 else self.allocator.block_hashes[seq.block_table[i - 1]]
-            assert parent_hash is not None, f"block {i - 1} of {seq} is full but has no hash"
             block_hash = hash_block_tokens(parent_hash, self._block_tokens(seq, i))
             self.allocator.cache_block(seq.block_table[i], block_hash)
+
+    def free_surplus_blocks(self, seq: Sequence) -> None:
+        """Give back the blocks past ``ceil(num_computed_tokens / block_size)``: after
+        rejected drafts they hold nothing that will be read (speculative decoding)."""
+        num_needed = self.num_blocks_needed(seq.num_computed_tokens)
+        for block_id in reversed(seq.block_table[num_needed:]):
+            assert self.allocator.block_hashes[block_id] is None, "a draft block was cached"
+            self.allocator.free(block_id)
+        del seq.block_table[num_needed:]
 
     def free(self, seq: Sequence) -> None:
         """Return all of ``seq``'s blocks to the pool, newest first: the free queue is LRU,

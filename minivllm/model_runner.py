@@ -4,7 +4,8 @@ Per step the runner builds, once, the tensors every layer shares: input token id
 positions for all scheduled tokens back to back, the cache slot each new token's K/V goes
 to, and the attention metadata (query/context lengths, block tables). It samples only at
 each chunk's last row, and only for chunks the scheduler marked to sample (a prefill
-chunk in the middle of a prompt has nothing to say). It reads nothing but the chunks: why
+chunk in the middle of a prompt has nothing to say); a decode with draft tokens also at
+every draft row, to verify the drafts. It reads nothing but the chunks: why
 a chunk is there is the scheduler's business.
 """
 
@@ -17,6 +18,7 @@ from minivllm.models.llama import CausalLM
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.sampler import Sampler
 from minivllm.scheduler_output import SchedulerOutput
+from minivllm.spec_decode import RejectionSampler
 
 
 class ModelRunner:
@@ -41,6 +43,7 @@ class ModelRunner:
             dtype=dtype, device=device,
         )  # fmt: skip
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
 
     def prepare_inputs(
         self, scheduler_output: SchedulerOutput
@@ -84,15 +87,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; returns the token sampled for each chunk that samples."""
+        """Run one step; returns the tokens sampled for each chunk that samples: one, or
+        with draft tokens, the accepted drafts and one more."""
         input_ids, positions, metadata = self.prepare_inputs(scheduler_output)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
 
+        # A chunk that samples needs logits at its last row, and with d drafts at its last
+        # 1 + d rows (row j verifies draft j; the last row gives the bonus token).
         ends = metadata.cu_seqlens_q[1:].tolist()
-        sampling = [(c, end - 1) for c, end in zip(scheduler_output.chunks, ends) if c.sample]
+        sampling = [(c, end) for c, end in zip(scheduler_output.chunks, ends) if c.sample]
         if not sampling:
             return ModelRunnerOutput()
-        chunks, last_rows = zip(*sampling)
-        logits = self.model.compute_logits(hidden[list(last_rows)])
-        tokens = self.sampler(logits, list(chunks))
-        return ModelRunnerOutput({c.request_id: [t] for c, t in zip(chunks, tokens)})
+        rows = [row for c, end in sampling for row in range(end - 1 - c.num_draft_tokens, end)]
+        logits = self.model.compute_logits(hidden[rows])
+
+        plain, verified, first_row = [], {}, 0
+        for chunk, _ in sampling:
+            num_rows = 1 + chunk.num_draft_tokens
+            if chunk.num_draft_tokens:
+                verified[chunk.request_id] = self.rejection_sampler(
+                    logits[first_row : first_row + num_rows],
+                    chunk.draft_token_ids,
+                    chunk.sampling_params,
+                    chunk.generator,
+                )
+            else:
+                plain.append((chunk, first_row))
+            first_row += num_rows
+        sampled = {}
+        if plain:
+            chunks, plain_rows = zip(*plain)
+            tokens = self.sampler(logits[list(plain_rows)], list(chunks))
+            sampled = {c.request_id: [t] for c, t in zip(chunks, tokens)}
+        return ModelRunnerOutput(sampled | verified)

@@ -10,6 +10,10 @@ shares the cached blocks of its prompt's prefix and starts computing after them.
 When the KV pool runs dry, the newest running sequence is *preempted by recompute*: its
 blocks go back to the pool and it returns to the front of the waiting queue, to be
 recomputed (prompt and output so far) when there is room again.
+
+With speculative decoding, a decode may also carry draft tokens (spec_decode/): budget
+and blocks left over at the end of `schedule` extend decodes to ``1 + num_drafts`` tokens,
+and `update_from_output` rolls ``num_computed_tokens`` back past the rejected ones.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from minivllm.kv_cache_manager import KVCacheManager
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import SchedulerOutput
 from minivllm.sequence import FinishReason, Sequence, SequenceStatus
+from minivllm.spec_decode import NgramProposer, SpecDecodingStats
 
 
 class Scheduler:
@@ -35,7 +40,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         clock=time.perf_counter,
+        max_model_len: int | None = None,
+        proposer: NgramProposer | None = None,
     ) -> None:
+        """``proposer``: switches speculative decoding on (then ``max_model_len`` caps the
+        drafts)."""
+        assert proposer is None or max_model_len is not None
         self.kv_cache_manager = kv_cache_manager
         self.clock = clock
         self.max_num_seqs = max_num_seqs
@@ -44,6 +54,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest first, so running[-1] is the newest
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.max_model_len = max_model_len
+        self.proposer = proposer
+        self.spec_decoding_stats = SpecDecodingStats(proposer.k if proposer else 0)
 
     def add_request(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
@@ -55,9 +68,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        budget = self._schedule_waiting(out, budget)
+        if self.proposer is not None:
+            self._schedule_drafts(out, budget)
+        return out
 
-        # 1. Running sequences, oldest first. Each needs blocks for its new tokens; if the
-        #    pool is empty, evict the newest running sequence until this one fits.
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running sequences, oldest first. Each needs blocks for its new tokens; if the
+        pool is empty, evict the newest running sequence until this one fits."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -72,9 +91,11 @@ class Scheduler:
                 out.add(seq, num_new)
                 budget -= num_new
                 i += 1
+        return budget
 
-        # 2. Waiting sequences, first come first served. None are admitted in a step that
-        #    preempted: the pool is full, so the admitted one would be evicted next.
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Waiting sequences, first come first served. None are admitted in a step that
+        preempted: the pool is full, so the admitted one would be evicted next."""
         while (
             self.waiting
             and not out.preempted
@@ -98,17 +119,57 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             out.add(seq, num_new)
             budget -= num_new
-        return out
+        return budget
+
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Speculative decoding: extend scheduled decodes with draft tokens, oldest first,
+        out of what is left of the budget and the pool once every real token is placed.
+        Drafts are optional work: they never preempt anyone, never delay an admission,
+        and are dropped first when the pool is tight (vLLM schedules them with the running
+        request, before waiting ones; here they come last, so the pool decides simply)."""
+        for seq in list(out.scheduled_seqs):
+            if budget <= 0:
+                break
+            if out.is_prefill[seq.request_id] or not _may_draft(seq):
+                continue
+            # Each draft can become one more output token: stop at max_tokens and at
+            # max_model_len (the last position of a sequence is never computed).
+            max_drafts = min(budget, self.max_model_len - 1 - seq.num_tokens)
+            if seq.sampling_params.max_tokens is not None:
+                max_drafts = min(
+                    max_drafts, seq.sampling_params.max_tokens - 1 - seq.num_output_tokens
+                )
+            drafts = self.proposer.propose(seq.token_ids, max_drafts) if max_drafts > 0 else []
+            if not drafts:
+                continue
+            num_new = out.num_scheduled_tokens[seq.request_id] + len(drafts)
+            if not self.kv_cache_manager.allocate_slots(seq, num_new):
+                continue  # no room in the pool: this request decodes one token, as usual
+            out.add_draft_tokens(seq, drafts)
+            budget -= len(drafts)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> None:
         """After the model ran: the scheduled tokens' keys and values are in the cache, and
-        the blocks they filled can be shared by later requests (prefix caching)."""
+        the blocks they filled can be shared by later requests (prefix caching).
+
+        Speculative decoding: of ``d`` drafts, the first ``len(sampled) - 1`` were accepted;
+        the rejected ones' keys and values are garbage. ``num_computed_tokens`` stops
+        before them (their slots are overwritten when those positions are computed again)
+        and the blocks that held nothing else go back to the pool."""
         for seq in scheduler_output.scheduled_seqs:
             num_new = scheduler_output.num_scheduled_tokens[seq.request_id]
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq.request_id)
+            if drafts:
+                sampled = model_runner_output.sampled_token_ids[seq.request_id]
+                num_accepted = len(sampled) - 1
+                num_new -= len(drafts) - num_accepted
+                self.spec_decoding_stats.observe_draft(len(drafts), num_accepted)
             seq.num_computed_tokens += num_new
-            self.kv_cache_manager.cache_full_blocks(seq, num_new)
+            if drafts:
+                self.kv_cache_manager.free_surplus_blocks(seq)
+            self.kv_cache_manager.cache_full_blocks(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache_manager.free(seq)
@@ -133,3 +194,11 @@ class Scheduler:
                 self.waiting.remove(seq)
             self.kv_cache_manager.free(seq)
             seq.finish(reason, now, stop_reason)
+
+
+def _may_draft(seq: Sequence) -> bool:
+    """Whether drafts can be verified for ``seq`` with the target distribution exact:
+    not while ``min_tokens`` still bans EOS and stop tokens (that mask depends on the
+    position), and not with ``min_p`` (vLLM leaves it out too)."""
+    params = seq.sampling_params
+    return seq.num_output_tokens >= params.min_tokens and params.min_p == 0

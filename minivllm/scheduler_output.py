@@ -21,7 +21,10 @@ class ScheduledChunk:
     Row ``i`` is the token at position ``start_position + i``; its key and value go to
     that position's slot in ``block_table``, and it attends to every earlier position.
     ``sample``: a token is sampled from the last row's logits (so ``sampling_params`` and
-    ``generator`` are the request's); False for a prompt chunk that stops mid-prompt."""
+    ``generator`` are the request's); False for a prompt chunk that stops mid-prompt.
+    Speculative decoding: the last ``num_draft_tokens`` rows are draft tokens, guesses not
+    yet known to be right; then the last ``1 + num_draft_tokens`` rows are all sampled
+    and verified against the drafts (spec_decode/rejection_sampler.py)."""
 
     request_id: str
     token_ids: list[int]
@@ -30,6 +33,11 @@ class ScheduledChunk:
     sample: bool
     sampling_params: SamplingParams | None = None
     generator: object | None = None  # torch.Generator of a request that samples randomly
+    num_draft_tokens: int = 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
 
     @property
     def context_len(self) -> int:
@@ -50,6 +58,9 @@ class SchedulerOutput:
     # token just sampled (decode); fixed here, as the sequence moves on after the step.
     is_prefill: dict[str, bool] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
+    # Speculative decoding: the draft tokens scheduled after each decode's real token
+    # (counted in num_scheduled_tokens too, as in vLLM).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         """Schedule the next ``num_new_tokens`` of ``seq``, from its ``num_computed_tokens``."""
@@ -68,6 +79,19 @@ class SchedulerOutput:
         self.scheduled_seqs.append(seq)
         self.num_scheduled_tokens[seq.request_id] = num_new_tokens
         self.is_prefill[seq.request_id] = seq.is_prefill
+
+    def add_draft_tokens(self, seq: Sequence, draft_token_ids: list[int]) -> None:
+        """Extend ``seq``'s decode chunk, already scheduled, with draft tokens."""
+        assert not self.is_prefill[seq.request_id] and draft_token_ids
+        chunk = next(c for c in self.chunks if c.request_id == seq.request_id)
+        chunk.token_ids = chunk.token_ids + list(draft_token_ids)
+        chunk.num_draft_tokens = len(draft_token_ids)
+        self.num_scheduled_tokens[seq.request_id] += len(draft_token_ids)
+        self.scheduled_spec_decode_tokens[seq.request_id] = list(draft_token_ids)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(d) for d in self.scheduled_spec_decode_tokens.values())
 
     @property
     def is_empty(self) -> bool:

@@ -28,7 +28,7 @@ def compute(manager, seq, num_tokens, computed_blocks=None):
     ``computed_blocks`` if it is being admitted), compute, register the full blocks."""
     assert manager.allocate_slots(seq, num_tokens, computed_blocks)
     seq.num_computed_tokens += len(computed_blocks or []) * manager.block_size + num_tokens
-    manager.cache_full_blocks(seq, num_tokens)
+    manager.cache_full_blocks(seq)
     assert len(seq.block_table) == cdiv(seq.num_computed_tokens, manager.block_size)
 
 

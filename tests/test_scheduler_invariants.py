@@ -8,7 +8,8 @@ executor is fake and instant (`FakeExecutor`): what it "writes" into a cache slo
 fingerprint of the token prefix ending there, and before sampling it reads back every
 slot of every scheduled chunk's context through the block table. So a write one slot past
 a block, a chunk that reads a stale slot, or a prefix-cache hit on the wrong block fails
-at once, without a real model.
+at once, without a real model. With speculative decoding on, the fake model accepts a
+random prefix of each request's draft tokens, so every step may roll requests back.
 
 CI runs the "ci" hypothesis profile (tests/conftest.py); for a longer search run
 ``HYPOTHESIS_PROFILE=deep pytest tests/test_scheduler_invariants.py``.
@@ -85,20 +86,26 @@ class FakeExecutor(ModelRunner):
         sampled = {}
         for i, chunk in enumerate(scheduler_output.chunks):
             seq = self.requests[chunk.request_id]
-            fingerprints = prefix_fingerprints(seq.token_ids)
+            # Draft tokens are written like known ones, at the positions after them.
+            tokens = seq.token_ids[: chunk.start_position] + chunk.token_ids
+            fingerprints = prefix_fingerprints(tokens)
             for row in range(starts[i], starts[i + 1]):
-                self._write(seq, input_ids[row], positions[row], slot_mapping[row], fingerprints)
+                self._write(seq, input_ids[row], positions[row], slot_mapping[row], tokens,
+                            fingerprints)  # fmt: skip
             self._read_context(seq, metadata.block_tables[i].tolist(), fingerprints, chunk)
-            assert chunk.sample == (chunk.context_len == seq.num_tokens)
+            assert chunk.sample == (chunk.context_len == seq.num_tokens + chunk.num_draft_tokens)
             if chunk.sample:
+                # Accept a random prefix of the drafts, then sample one more token.
+                num_accepted = self.rng.randint(0, chunk.num_draft_tokens)
                 is_eos = self.rng.random() < self.eos_prob
-                sampled[seq.request_id] = [EOS if is_eos else self.rng.randrange(1, VOCAB)]
+                new_token = EOS if is_eos else self.rng.randrange(1, VOCAB)
+                sampled[seq.request_id] = chunk.draft_token_ids[:num_accepted] + [new_token]
         return ModelRunnerOutput(sampled)
 
-    def _write(self, seq, token_id, pos, slot, fingerprints):
+    def _write(self, seq, token_id, pos, slot, tokens, fingerprints):
         block_id = slot // self.block_size
-        assert token_id == seq.token_ids[pos]
-        assert seq.num_computed_tokens <= pos < seq.num_tokens
+        assert token_id == tokens[pos]
+        assert seq.num_computed_tokens <= pos < len(tokens)
         assert block_id == seq.block_table[pos // self.block_size], "wrote outside own block"
         assert slot % self.block_size == pos % self.block_size
         assert self.allocator.ref_counts[block_id] == 1, "wrote into a shared block"
@@ -117,13 +124,14 @@ class EngineUnderTest:
     every request's arrival order, the finished ones, the last step's prefix hits."""
 
     def __init__(self, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                 enable_prefix_caching, rng, eos_prob=0.1):  # fmt: skip
+                 enable_prefix_caching, rng, eos_prob=0.1, speculative_config=None):  # fmt: skip
         config = EngineConfig(
             block_size=block_size,
             num_kv_blocks=num_blocks,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
+            speculative_config=speculative_config,
         )
         executor = FakeExecutor(num_blocks, block_size, rng, eos_prob)
         self.engine = LLMEngine(config, executor=executor)
@@ -200,10 +208,16 @@ def check_sequences(engine: EngineUnderTest) -> None:
     in arrival order: running (oldest first) then waiting (first come first served)."""
     block_size = engine.kv_cache_manager.block_size
     scheduler = engine.scheduler
+    allocator = engine.kv_cache_manager.allocator
     for seq in scheduler.running:
         assert seq.status is SequenceStatus.RUNNING
         assert 0 < seq.num_computed_tokens <= seq.num_tokens
         assert len(seq.block_table) == cdiv(seq.num_computed_tokens, block_size)
+        # Only blocks full of computed, known tokens are in the prefix cache: never one
+        # holding a rejected draft or a draft not appended yet.
+        for i, block_id in enumerate(seq.block_table):
+            if allocator.block_hashes[block_id] is not None:
+                assert (i + 1) * block_size <= seq.num_computed_tokens
     for seq in scheduler.waiting:
         assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
         assert seq.num_computed_tokens == 0 and seq.block_table == []
@@ -244,14 +258,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_batched_tokens=st.sampled_from([1, 2, 3, 5, 8, 16, 40]),
         enable_prefix_caching=st.booleans(),
         eos_prob=st.sampled_from([0.0, 0.05, 0.3]),
+        # Speculative decoding: None (off) or (num_speculative_tokens, lookup min, max).
+        speculative=st.sampled_from([None, None, (1, 1, 1), (3, 1, 2), (5, 2, 3)]),
         rng=st.randoms(use_true_random=False),
         first_requests=st.lists(REQUEST, min_size=2, max_size=8),
     )
     def setup(self, block_size, pool_tokens, max_num_seqs, max_num_batched_tokens,
-              enable_prefix_caching, eos_prob, rng, first_requests):  # fmt: skip
+              enable_prefix_caching, eos_prob, speculative, rng, first_requests):  # fmt: skip
         num_blocks = max(1, pool_tokens // block_size)
+        speculative_config = None
+        if speculative is not None:
+            k, lookup_min, lookup_max = speculative
+            speculative_config = {"num_speculative_tokens": k, "prompt_lookup_min": lookup_min,
+                                  "prompt_lookup_max": lookup_max}  # fmt: skip
         self.engine = EngineUnderTest(num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                                 enable_prefix_caching, rng, eos_prob)  # fmt: skip
+                                 enable_prefix_caching, rng, eos_prob,
+                                 speculative_config)  # fmt: skip
         self.rng = rng
         # A few "system prompts" that many requests start with, so prefixes are shared.
         self.shared_prefixes = [[rng.randrange(VOCAB) for _ in range(20)] for _ in range(2)]
@@ -296,6 +318,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         """What the search reached (``pytest --hypothesis-show-statistics``)."""
         if scheduled.preempted:
             event("preemption")
+        if scheduled.scheduled_spec_decode_tokens:
+            event("draft tokens verified")
         for seq in self.engine.last_hits:
             event("prefix hit" + (" after a preemption" if seq.metrics.num_preemptions else ""))
 

@@ -76,6 +76,10 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]]
     supported_devices: ClassVar[tuple[str, ...]]  # torch device types: "cpu", "cuda"
+    # Speculative decoding runs a decode as 1 + k query rows (causal inside the chunk). The
+    # contract above already covers it; a backend with a query_len == 1 decode shortcut
+    # sets this False, and the engine refuses speculative decoding with it.
+    supports_multi_token_decode: ClassVar[bool] = True
 
     @classmethod
     def check_supported(cls, dtype: torch.dtype, device: torch.device | str) -> None:

@@ -1,0 +1,80 @@
+"""Verify draft tokens against the target model, keeping its output distribution exact.
+
+A request with ``d`` drafts had ``d + 1`` rows computed: its last known token, then the
+drafts. Row ``j``'s logits are the target model's distribution ``p_j`` for the token at
+draft position ``j``; row ``d``'s is the "bonus" position after the last draft. Every
+request emits at least one token and at most ``d + 1``.
+
+- Greedy: accept the longest run of drafts equal to the target's argmax, then emit the
+  argmax at the first mismatch (the correction), or at row ``d`` if all were accepted (the
+  bonus). The output is exactly plain greedy decoding's.
+- Random (speculative sampling, Leviathan et al. 2023; Chen et al. 2023): n-gram drafts
+  are one-hot guesses (q(x) = 1), so draft ``x`` is accepted with probability ``p_j(x)``.
+  At the first rejection the emitted token is drawn from ``p_j`` with ``x`` removed and
+  renormalised: overall, token ``j`` is ``x`` with probability ``p_j(x)`` and any other
+  ``y`` with ``(1 - p_j(x)) * p_j(y) / (1 - p_j(x)) = p_j(y)``, i.e. exactly ``p_j``. If
+  every draft is accepted, the bonus token is drawn from ``p_d``.
+
+Random numbers come from each request's own generator, so a seeded request is
+reproducible. ``p`` is the plain sampler's: temperature, then top-k and top-p.
+(Requests with ``min_p`` get no drafts, as in vLLM.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.sampler import _apply_top_k, _apply_top_p
+from minivllm.sampling_params import SamplingParams
+
+
+class RejectionSampler:
+    def __call__(
+        self, logits: torch.Tensor, draft_token_ids: list[int], params: SamplingParams, generator
+    ) -> list[int]:
+        """logits ``[num_drafts + 1, vocab_size]``: the tokens this request emits."""
+        if params.greedy:
+            return accept_greedy(logits.argmax(dim=-1).tolist(), draft_token_ids)
+        return accept_random(target_probs(logits, params), draft_token_ids, generator)
+
+
+def accept_greedy(target_token_ids: list[int], draft_token_ids: list[int]) -> list[int]:
+    """The target's argmax at every position up to and including the first mismatch."""
+    num_accepted = 0
+    for draft, target in zip(draft_token_ids, target_token_ids):
+        if draft != target:
+            break
+        num_accepted += 1
+    return target_token_ids[: num_accepted + 1]
+
+
+def accept_random(probs: torch.Tensor, draft_token_ids: list[int], generator) -> list[int]:
+    """probs ``[num_drafts + 1, vocab_size]``; exact speculative sampling for one-hot drafts."""
+    emitted = []
+    for position, draft in enumerate(draft_token_ids):
+        u = torch.rand((), generator=generator, device=probs.device)
+        if u < probs[position, draft]:
+            emitted.append(draft)
+            continue
+        residual = probs[position].clone()
+        residual[draft] = 0  # p without x: the exponential race renormalises implicitly
+        return emitted + [sample(residual, generator)]
+    return emitted + [sample(probs[len(draft_token_ids)], generator)]
+
+
+def sample(probs: torch.Tensor, generator) -> int:
+    """One index drawn with probability proportional to ``probs`` (the sampler's
+    exponential race: ``argmax(probs / E)``, ``E ~ Exp(1)``)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``[rows, vocab]`` probabilities the plain sampler would draw from for ``params``."""
+    rows = logits.shape[0]
+    logits = logits.float() / params.temperature
+    if params.top_k > 0:
+        logits = _apply_top_k(logits, [params.top_k] * rows)
+    if params.top_p < 1:
+        logits = _apply_top_p(logits, [params.top_p] * rows)
+    return logits.softmax(dim=-1)
