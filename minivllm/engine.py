@@ -25,7 +25,7 @@ from minivllm.scheduler import Scheduler
 from minivllm.scheduler_interface import SchedulerInterface
 from minivllm.scheduler_output import SchedulerOutput
 from minivllm.sequence import FinishReason, SequenceStatus
-from minivllm.spec_decode import NgramProposer
+from minivllm.spec_decode import NgramProposer, SpecDecodingStats
 from minivllm.static_scheduler import StaticBatchScheduler
 
 __all__ = ["LLMEngine", "Prompt"]
@@ -153,11 +153,19 @@ class LLMEngine:
 
     # --- introspection -------------------------------------------------------------------
 
+    @property
+    def spec_decoding_stats(self) -> SpecDecodingStats | None:
+        """Speculative decoding's counters since the engine started (vLLM's
+        ``SpecDecodingStats``), or None when speculation is off."""
+        if self.config.speculative_config is None:
+            return None
+        return self.scheduler.spec_decoding_stats
+
     def stats(self) -> dict:
         """A snapshot of the engine's queues and KV pool, e.g. for a progress display."""
         prefix_cache = self.kv_cache_manager.prefix_cache_stats
         waiting = list(self.scheduler.waiting)
-        spec_decode = getattr(self.scheduler, "spec_decoding_stats", None)
+        spec_decode = self.spec_decoding_stats
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": sum(s.status is SequenceStatus.WAITING for s in waiting),
@@ -170,7 +178,7 @@ class LLMEngine:
             "prefix_cache_query_tokens": prefix_cache.num_queried_tokens,
             "prefix_cache_hit_tokens": prefix_cache.num_hit_tokens,
             "prefix_cache_hit_rate": prefix_cache.hit_rate,
-            # Speculative decoding (vLLM's counters and derived rates; zero when it is off).
+            # Speculative decoding: vLLM's counters and derived rates, when it is on.
             **(spec_decode.as_dict() if spec_decode is not None else {}),
             "config": asdict(self.config),
         }

@@ -89,6 +89,9 @@ def run_bench(args: argparse.Namespace) -> int:
         f"({torch.get_num_threads()} threads); model GFLOP/s counts useful work only "
         "(no padding, no recomputation)"
     )
+    for run in runs:
+        if run.spec_decoding is not None:
+            print(f"\n{run.name}: {run.spec_decoding.log_line()}")
     agree = report.outputs_agree(runs, "static", "continuous")
     if agree:
         print(f"\ngreedy outputs identical under both policies: {agree[0]}/{agree[1]} requests")

@@ -151,7 +151,12 @@ def _run_json(run: BenchRun) -> dict:
         }
         for r in run.requests
     ]
-    return {"summary": asdict(run.summary), "requests": requests}
+    spec = run.spec_decoding
+    return {
+        "summary": asdict(run.summary),
+        "requests": requests,
+        "spec_decode": spec.as_dict() if spec is not None else None,
+    }
 
 
 def _ratio(cont_row: tuple, static_row: tuple) -> str:

@@ -9,6 +9,7 @@ in flight (vLLM's ``--max-concurrency``); a held request's clock starts when it 
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.metrics import StepStats
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.spec_decode import SpecDecodingStats
 
 
 @dataclass
@@ -35,6 +37,7 @@ class BenchRun:
     output_token_ids: dict[str, list[int]] = field(default_factory=dict)
     block_size: int | None = None  # the KV cache's, for minivllm runs
     num_kv_blocks: int | None = None
+    spec_decoding: SpecDecodingStats | None = None  # counted over the measured run only
 
 
 def exact_params(max_tokens: int) -> SamplingParams:
@@ -58,6 +61,7 @@ def run_engine(
     short warm-up, and measure it."""
     engine = engine or LLMEngine(config)
     _warm_up(engine, workload)
+    spec_before = copy.deepcopy(engine.spec_decoding_stats)
     engine.step_log = []
     desc = f"minivllm {engine.config.scheduling_policy}"
     with tqdm(total=len(workload.requests), desc=desc, disable=not progress) as bar:
@@ -77,9 +81,11 @@ def run_engine(
         ),
     )
     policy, block_size = engine.config.scheduling_policy, engine.config.block_size
+    spec = engine.spec_decoding_stats
     return BenchRun(
-        policy, summary, results, start, steps, token_ids, block_size, engine.num_kv_blocks
-    )
+        policy, summary, results, start, steps, token_ids, block_size, engine.num_kv_blocks,
+        spec - spec_before if spec is not None else None,
+    )  # fmt: skip
 
 
 def _drive(engine: LLMEngine, workload: Workload, max_concurrency: int | None, bar):

@@ -35,6 +35,21 @@ class SpecDecodingStats:
         for position in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[position] += 1
 
+    def __sub__(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
+        """What was counted since the snapshot ``earlier`` (e.g. after a warm-up)."""
+        return SpecDecodingStats(
+            self.num_spec_tokens,
+            self.num_drafts - earlier.num_drafts,
+            self.num_draft_tokens - earlier.num_draft_tokens,
+            self.num_accepted_tokens - earlier.num_accepted_tokens,
+            [
+                a - b
+                for a, b in zip(
+                    self.num_accepted_tokens_per_pos, earlier.num_accepted_tokens_per_pos
+                )
+            ],  # fmt: skip
+        )
+
     @property
     def acceptance_rate(self) -> float:
         """Accepted draft tokens / proposed draft tokens."""
