@@ -13,9 +13,11 @@ Two seeded workloads of chat requests to SmolLM2-135M-Instruct, greedy:
 Each workload runs at every ``max_num_seqs`` in ``--batch-sizes``, with ``max(4, B)``
 requests all arriving at t = 0, once without and once with
 ``speculative_config={"method": "ngram", ...}``, alternating, on one machine in one
-process. It prints output tokens/s, mean TPOT, the acceptance metrics (vLLM's names), the
-median time of a decode-only step and its token rows (the step-time curve that decides
-the crossover), and checks that the greedy outputs are identical token for token.
+process. It prints output tokens/s over the whole run and over the decode-only steps
+(the steps with no prefill chunk: the regime speculation acts on), mean TPOT, the
+acceptance metrics (vLLM's names), the median time of a decode-only step and its token
+rows (the step-time curve that decides the crossover), and checks that the greedy
+outputs are identical token for token.
 Compare ratios within one run: on a shared machine absolute numbers move with the load.
 """
 
@@ -67,6 +69,7 @@ class Run:
     mean_tpot_ms: float
     decode_step_ms: float  # median duration of steps with no prefill
     decode_step_rows: float  # median token rows of those steps
+    decode_tokens_per_s: float  # output tokens of steps with no prefill / their time
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
     acceptance_rate_per_pos: list[float] | None = None
@@ -94,15 +97,23 @@ def make_engine(args, max_num_seqs: int, speculative: bool) -> LLMEngine:
     )
 
 
-def generate(engine: LLMEngine, prompts: list[dict], max_tokens: int) -> dict[str, list[int]]:
+def generate(engine: LLMEngine, prompts: list[dict], max_tokens: int, emitted=None) -> dict:
+    """Run ``prompts`` to completion; the finished outputs by request id. ``emitted``, if
+    a list, gets the number of output tokens each step produced."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
-    outputs = {}
+    outputs, lengths = {}, {}
     while engine.has_unfinished_requests():
+        num_new = 0
         for out in engine.step():
+            num_tokens = len(out.outputs[0].token_ids)
+            num_new += num_tokens - lengths.get(out.request_id, 0)
+            lengths[out.request_id] = num_tokens
             if out.finished:
                 outputs[out.request_id] = out
+        if emitted is not None:
+            emitted.append(num_new)
     return outputs
 
 
@@ -125,17 +136,22 @@ def measure(args, workload: str, prompts: list[dict], max_num_seqs: int, specula
     engine.step_log = []
     num_requests = max(4, max_num_seqs)
     start = time.perf_counter()
-    outputs = generate(engine, prompts[:num_requests], args.max_tokens)
+    emitted: list[int] = []
+    outputs = generate(engine, prompts[:num_requests], args.max_tokens, emitted)
     duration = time.perf_counter() - start
     tokens = {rid: out.outputs[0].token_ids for rid, out in outputs.items()}
     num_output = sum(len(t) for t in tokens.values())
     tpots = [o.metrics.tpot for o in outputs.values() if o.metrics.tpot is not None]
-    decode_steps = [s for s in engine.step_log if s.num_prefill_tokens == 0]
+    decode_only = [s.num_prefill_tokens == 0 for s in engine.step_log]
+    decode_steps = [s for s, d in zip(engine.step_log, decode_only) if d]
+    decode_time = sum(s.end_time - s.start_time for s in decode_steps)
+    decode_tokens = sum(n for n, d in zip(emitted, decode_only) if d)
     run = Run(
         workload, max_num_seqs, speculative, num_requests, num_output, duration,
         num_output / duration, 1000 * statistics.mean(tpots),
         1000 * statistics.median(s.end_time - s.start_time for s in decode_steps),
         statistics.median(s.num_decode_tokens for s in decode_steps),
+        decode_tokens / decode_time,
     )  # fmt: skip
     if speculative:
         spec = engine.spec_decoding_stats - spec_before
@@ -148,17 +164,20 @@ def measure(args, workload: str, prompts: list[dict], max_num_seqs: int, specula
 
 
 def print_table(runs: list[Run], identical: dict) -> None:
-    header = ("workload", "B", "spec", "out tok/s", "speedup", "TPOT ms", "step ms",
-              "step rows", "accept", "mean len", "greedy identical")  # fmt: skip
+    header = ("workload", "B", "spec", "out tok/s", "speedup", "decode tok/s", "speedup",
+              "TPOT ms", "step ms", "step rows", "accept", "mean len",
+              "greedy identical")  # fmt: skip
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
     base = {(r.workload, r.max_num_seqs): r for r in runs if not r.speculative}
     for r in runs:
         ref = base[(r.workload, r.max_num_seqs)]
         speedup = r.output_tokens_per_s / ref.output_tokens_per_s
+        decode_speedup = r.decode_tokens_per_s / ref.decode_tokens_per_s
         cells = (
             r.workload, str(r.max_num_seqs), "ngram" if r.speculative else "off",
-            f"{r.output_tokens_per_s:.1f}", f"{speedup:.2f}x", f"{r.mean_tpot_ms:.0f}",
+            f"{r.output_tokens_per_s:.1f}", f"{speedup:.2f}x",
+            f"{r.decode_tokens_per_s:.1f}", f"{decode_speedup:.2f}x", f"{r.mean_tpot_ms:.0f}",
             f"{r.decode_step_ms:.0f}", f"{r.decode_step_rows:.0f}",
             f"{r.acceptance_rate:.0%}" if r.speculative else "",
             f"{r.mean_acceptance_length:.2f}" if r.speculative else "",
@@ -182,9 +201,17 @@ def plot(runs: list[Run], path: str) -> None:
                         label=f"{workload}, {'ngram' if spec else 'no spec'}")  # fmt: skip
         off = {r.max_num_seqs: r for r in runs if r.workload == workload and not r.speculative}
         on = [r for r in runs if r.workload == workload and r.speculative]
+        ax_ratio.plot(
+            [r.max_num_seqs for r in on],
+            [r.output_tokens_per_s / off[r.max_num_seqs].output_tokens_per_s for r in on],
+            marker="o",
+            color=color,
+            label=f"{workload}, run",
+        )
         ax_ratio.plot([r.max_num_seqs for r in on],
-                      [r.output_tokens_per_s / off[r.max_num_seqs].output_tokens_per_s
-                       for r in on], marker="o", color=color, label=workload)  # fmt: skip
+                      [r.decode_tokens_per_s / off[r.max_num_seqs].decode_tokens_per_s
+                       for r in on], "--", marker="s", color=color,
+                      label=f"{workload}, decode steps")  # fmt: skip
     for ax in (ax_tps, ax_ratio):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("max_num_seqs")
