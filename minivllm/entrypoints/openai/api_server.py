@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import logging
+import signal
 import socket
 import threading
 import time
@@ -152,16 +153,27 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve(engine: LLMEngine, host: str, port: int, model_name: str, log_level="info") -> None:
-    """Serve until SIGINT / SIGTERM (uvicorn handles both), then stop the engine thread."""
+    """Serve until SIGINT or SIGTERM, then stop the engine thread and return.
+
+    uvicorn catches both signals, drains open connections (up to 5 s), and re-raises the
+    signal once it has stopped; the handlers below turn that into a normal return."""
     async_llm = AsyncLLM(engine)
     app = build_app(async_llm, model_name)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
     )
+    previous = signal.signal(signal.SIGTERM, _exit_quietly)
     try:
         uvicorn.Server(config).run()
+    except (KeyboardInterrupt, SystemExit):
+        pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         async_llm.shutdown()
+
+
+def _exit_quietly(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 class BackgroundServer:
