@@ -406,3 +406,36 @@ def test_server_process_shuts_down_cleanly(model_path, sig):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+# --- the live page ----------------------------------------------------------------------------
+
+
+def test_live_page_shows_the_requests(server, client, tmp_path):
+    from tests.test_docs_site import CHROMIUM, _chromium
+
+    if CHROMIUM is None:
+        pytest.skip("headless Chromium not found (apt-get install -y chromium)")
+    ids = [
+        client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=6, temperature=0).id
+        for p in PROMPTS
+    ]
+    dom = _chromium(server.url + "/", tmp_path / "profile-dom", "--dump-dom").stdout
+    for request_id in ids:
+        # A row label in the step grid and a row in the request table.
+        assert dom.count(f'data-request-id="{request_id}"') == 2, request_id
+    assert 'class="cell decode"' in dom and 'class="cell prefill"' in dom
+
+    screenshot = tmp_path / "live.png"
+    _chromium(server.url + "/", tmp_path / "profile-shot", f"--screenshot={screenshot}")
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(screenshot).convert("RGB")).reshape(-1, 3)
+    cell_area = 10 * 13  # a grid cell's pixels
+
+    def count(colour: tuple[int, int, int]) -> int:
+        return int((pixels == colour).all(axis=1).sum())
+
+    assert count((0x4E, 0x79, 0xA7)) > 3 * 5 * cell_area  # decode: 3 requests x 5 steps
+    assert count((0xF2, 0x8E, 0x2B)) > 3 * cell_area  # prefill
