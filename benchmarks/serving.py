@@ -73,26 +73,53 @@ def _overhead(args, model: str, workload) -> int:
 
     torch.set_num_threads(args.threads)
     config = EngineConfig(model=model, **ENGINE)
-    direct, http = [], []
+    direct, http, direct_busy, http_busy = [], [], [], []
+    direct_cpu = http_cpu = client_cpu = 0.0  # CPU seconds, summed over the repeats
     with _server(model, args.threads, "continuous") as (url, pid):
         idle_cpu = _cpu_share(pid, seconds=5.0)
         for _ in range(args.repeat):
+            cpu = time.process_time()
             run = run_engine(config, workload, args.max_concurrency, progress=False)
+            direct_cpu += time.process_time() - cpu
             direct.append(run.summary.output_throughput)
+            direct_busy.append(_busy([(s.start_time, s.end_time) for s in run.steps]))
+            cpu, server_cpu = time.process_time(), _cpu_seconds(pid)
+            first_step = httpx.get(url + "/live/state?since=1000000000").json()["num_steps"]
             run = run_http(url, workload, args.max_concurrency, progress=False)
+            client_cpu += time.process_time() - cpu
+            http_cpu += _cpu_seconds(pid) - server_cpu
             http.append(run.summary.output_throughput)
+            steps = httpx.get(f"{url}/live/state?since={first_step + 1}").json()["steps"]
+            http_busy.append(_busy([(s["start"], s["end"]) for s in steps]))
+    tokens = workload.num_output_tokens * args.repeat
     print(f"\n{workload.describe()}, {args.max_concurrency} concurrent streams")
     print("in process (engine driven directly), output tokens/s:", _list(direct))
     print("through HTTP (minivllm serve),       output tokens/s:", _list(http))
     ratios = [1 - h / d for d, h in zip(direct, http)]
     print("HTTP overhead per pair (1 - http / in process):", ", ".join(f"{r:+.1%}" for r in ratios))
     print(f"HTTP overhead, total: {1 - sum(http) / sum(direct):+.1%}")
+    print(
+        f"CPU ms per output token: in process {1e3 * direct_cpu / tokens:.1f}, "
+        f"server process {1e3 * http_cpu / tokens:.1f} "
+        f"({http_cpu / direct_cpu - 1:+.1%}), benchmark client {1e3 * client_cpu / tokens:.1f}"
+    )
+    busy = f"{_list(direct_busy, '%')} in process, {_list(http_busy, '%')} through HTTP"
+    print(f"engine busy (time in steps / first to last step): {busy}")
     print(f"idle server process CPU over 5 s: {idle_cpu:.2%} of one core")
     return 0
 
 
-def _list(values: list[float]) -> str:
+def _list(values: list[float], unit: str = "") -> str:
+    if unit == "%":
+        return ", ".join(f"{v:.1%}" for v in values)
     return ", ".join(f"{v:.1f}" for v in values)
+
+
+def _busy(steps: list[tuple[float, float]]) -> float:
+    """The fraction of the time from the first step's start to the last step's end that
+    the engine spent inside steps (the rest: between steps, or idle)."""
+    span = steps[-1][1] - steps[0][0]
+    return sum(end - start for start, end in steps) / span
 
 
 def _policies(args, model: str, workload) -> int:
@@ -138,16 +165,17 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _cpu_share(pid: int, seconds: float) -> float:
     """CPU time the process used over ``seconds`` of wall time, as a fraction of a core."""
-
-    def cpu() -> float:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime+stime
-
-    start_cpu, start = cpu(), time.monotonic()
+    start_cpu, start = _cpu_seconds(pid), time.monotonic()
     time.sleep(seconds)
-    return (cpu() - start_cpu) / (time.monotonic() - start)
+    return (_cpu_seconds(pid) - start_cpu) / (time.monotonic() - start)
 
 
 def _default_model() -> str:

@@ -19,7 +19,8 @@ import time
 import httpx
 import pytest
 
-from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
+from minivllm import LLM, EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
+from minivllm.entrypoints.async_llm import AsyncLLM
 from minivllm.entrypoints.openai.api_server import BackgroundServer
 from tests.helpers import make_tiny_checkpoint
 
@@ -88,6 +89,40 @@ def _metric(text: str, name: str, **labels) -> float:
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+# --- AsyncLLM on its own ------------------------------------------------------------------
+
+
+def test_async_llm_streams_deltas_and_survives_bad_input(model_path, llm):
+    engine = LLMEngine(EngineConfig(model=str(model_path), **ENGINE_OPTIONS))
+    async_llm = AsyncLLM(engine)
+    params = SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+
+    async def run():
+        with pytest.raises(ValueError, match="prompt is empty"):
+            await async_llm.add_request("bad", "", params)
+
+        async def collect(request_id, prompt):
+            return [o async for o in async_llm.generate(request_id, prompt, params)]
+
+        # Two requests at once, each with its own stream of deltas.
+        return await asyncio.gather(*(collect(str(i), p) for i, p in enumerate(PROMPTS[:2])))
+
+    try:
+        streams = asyncio.run(run())
+    finally:
+        async_llm.shutdown()
+    assert not async_llm.is_alive
+    expected = llm.generate(
+        PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
+    for outputs, want in zip(streams, expected):
+        assert [o.finished for o in outputs] == [False] * 7 + [True]  # one output per step
+        assert "".join(o.outputs[0].text for o in outputs) == want.outputs[0].text
+        assert sum(len(o.outputs[0].token_ids) for o in outputs) == 8
 
 
 # --- the openai client against LLM.generate / LLM.chat --------------------------------------

@@ -58,13 +58,17 @@ class RequestStream:
         self.request_id = request_id
         self._async_llm = async_llm
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()  # the event loop its consumer runs on
         self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called on the stream's event loop."""
+        self._queue.put_nowait(item)
 
     def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
         """Called by the engine thread."""
         with contextlib.suppress(RuntimeError):  # the event loop is already closed
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.put, item)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
@@ -160,20 +164,6 @@ class AsyncLLM:
 
         self._submit(abort)
 
-    async def call(self, function: Callable[[LLMEngine], object]) -> object:
-        """Run ``function(engine)`` on the engine thread between two steps; return its
-        result. For reading engine state consistently (tests, /health)."""
-        done: asyncio.Future = asyncio.get_running_loop().create_future()
-
-        def run() -> None:
-            try:
-                _resolve(done, None, function(self.engine))
-            except Exception as e:
-                _resolve(done, e)
-
-        self._submit(run)
-        return await done
-
     @property
     def tokenizer(self):
         """The engine's tokenizer: use it only inside a prompt function (engine thread)."""
@@ -237,13 +227,16 @@ class AsyncLLM:
             self.recent_steps.append(record)
             for listener in self.step_listeners:
                 listener(record, outputs)
+        # One wake-up of the event loop per step, not one per output.
+        deliveries = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue  # aborted by its caller while this step ran
-            stream.put_threadsafe(output)
+            deliveries.append((stream, output))
             if output.finished:
                 del self._streams[output.request_id]
+        _deliver_threadsafe(deliveries)
 
     def _fail_step(self, error: Exception) -> None:
         """A step raised: fail the requests it held (their state is suspect), keep the
@@ -263,6 +256,21 @@ class AsyncLLM:
             self.engine.abort_request(request_id)
             stream.put_threadsafe(error)
         self._streams.clear()
+
+
+def _deliver_threadsafe(deliveries: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """Hand each output to its stream, with one call into each event loop involved."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, output in deliveries:
+        by_loop.setdefault(stream.loop, []).append((stream, output))
+    for loop, items in by_loop.items():
+
+        def deliver(items=items) -> None:
+            for stream, output in items:
+                stream.put(output)
+
+        with contextlib.suppress(RuntimeError):  # the event loop is already closed
+            loop.call_soon_threadsafe(deliver)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None, result=None) -> None:

@@ -89,7 +89,8 @@ class ServerMetrics:
             self.generation_tokens.inc(_num_new_tokens(output))
             if output.finished:
                 self._on_finished(output)
-        self._count_prefix_cache()
+        if self._engine.config.enable_prefix_caching:
+            self._count_prefix_cache()
 
     def on_abort(self, request_id: str) -> None:
         self.request_success["abort"].inc()
