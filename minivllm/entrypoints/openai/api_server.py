@@ -139,19 +139,6 @@ async def _client_gone(raw: Request) -> None:
 # --- running it ---------------------------------------------------------------------------
 
 
-def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the name clients send as `model` (default: --model, or the bundled model's)",
-    )
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-
-
 def serve(engine: LLMEngine, host: str, port: int, model_name: str, log_level="info") -> None:
     """Serve until SIGINT or SIGTERM, then stop the engine thread and return.
 
@@ -233,6 +220,7 @@ def run_serve(args: argparse.Namespace, engine_config) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from minivllm.cli import add_engine_arguments, engine_config_from_args
+    from minivllm.entrypoints.openai.cli_args import add_server_arguments
 
     parser = argparse.ArgumentParser(description="minivllm's OpenAI-compatible server")
     add_server_arguments(parser)
