@@ -139,9 +139,9 @@ def _server(model: str, threads: int, policy: str):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "minivllm.entrypoints.openai.api_server"]
+    command = [sys.executable, "-m", "minivllm.cli", "serve"]
     command += ["--model", model, "--port", str(port), "--threads", str(threads)]
-    command += ["--policy", policy, "--log-level", "warning"]
+    command += ["--scheduling-policy", policy, "--log-level", "warning"]
     for name, value in ENGINE.items():
         command += ["--" + name.replace("_", "-"), str(value)]
     process = subprocess.Popen(command, env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
@@ -179,7 +179,7 @@ def _cpu_share(pid: int, seconds: float) -> float:
 
 
 def _default_model() -> str:
-    from minivllm.model_files import default_model_path
+    from minivllm.models.model_files import default_model_path
 
     return str(default_model_path())
 

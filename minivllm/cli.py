@@ -1,4 +1,5 @@
-"""The ``minivllm`` command: ``minivllm generate ...`` (and ``minivllm bench ...``)."""
+"""The ``minivllm`` command: ``minivllm generate ...``, ``minivllm bench ...`` and
+``minivllm serve ...``."""
 
 from __future__ import annotations
 
@@ -72,7 +73,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     EngineConfig.add_cli_args(bench, exclude=("scheduling_policy",))  # --policy: a list
     bench.set_defaults(func=run_bench)
+
+    from minivllm.entrypoints.openai.cli_args import add_server_arguments
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (like `vllm serve`)")
+    add_server_arguments(serve)
+    EngineConfig.add_cli_args(serve)
+    serve.set_defaults(func=_serve)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = EngineConfig.from_cli_args(args)  # bad options fail before the model loads
+    try:
+        from minivllm.entrypoints.openai.api_server import run_serve
+    except ImportError as e:
+        raise ValueError(f"{e}: minivllm serve needs pip install 'minivllm[serve]'") from e
+    return run_serve(args, config)
 
 
 def main(argv: list[str] | None = None) -> int:

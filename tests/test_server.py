@@ -415,7 +415,7 @@ def _free_port() -> int:
 )
 def test_server_process_shuts_down_cleanly(model_path, sig):
     port = _free_port()
-    command = [sys.executable, "-m", "minivllm.entrypoints.openai.api_server"]
+    command = [sys.executable, "-m", "minivllm.cli", "serve"]
     command += ["--model", str(model_path), "--port", str(port), "--attention-backend", "torch"]
     command += ["--num-kv-blocks", "64", "--log-level", "warning"]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import httpx
 from tqdm import tqdm
 
+from minivllm.bench.metrics import RequestResult, summarize
 from minivllm.bench.runner import BenchRun
 from minivllm.bench.workloads import BenchRequest, Workload
-from minivllm.metrics import RequestResult, summarize
 from minivllm.sequence import RequestMetrics
 
 

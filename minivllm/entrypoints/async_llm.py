@@ -167,8 +167,7 @@ class AsyncLLM:
     @property
     def tokenizer(self):
         """The engine's tokenizer: use it only inside a prompt function (engine thread)."""
-        engine = self.engine
-        return engine.get_tokenizer() if hasattr(engine, "get_tokenizer") else engine.tokenizer
+        return self.engine.get_tokenizer()
 
     @property
     def is_alive(self) -> bool:
@@ -242,8 +241,8 @@ class AsyncLLM:
         """A step raised: fail the requests it held (their state is suspect), keep the
         rest and the server going."""
         logger.error("engine step failed:\n%s", traceback.format_exc())
-        scheduled = getattr(self.engine, "last_step", None)
-        ids = [s.request_id for s in getattr(scheduled, "seqs", [])] or list(self._streams)
+        scheduled = self.engine.last_step
+        ids = scheduled.prefill_ids + scheduled.decode_ids if scheduled else list(self._streams)
         for request_id in ids:
             self.engine.abort_request(request_id)
             stream = self._streams.pop(request_id, None)

@@ -219,15 +219,15 @@ def run_serve(args: argparse.Namespace, engine_config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minivllm.cli import add_engine_arguments, engine_config_from_args
+    from minivllm.config import EngineConfig
     from minivllm.entrypoints.openai.cli_args import add_server_arguments
 
     parser = argparse.ArgumentParser(description="minivllm's OpenAI-compatible server")
     add_server_arguments(parser)
-    add_engine_arguments(parser)
+    EngineConfig.add_cli_args(parser)
     args = parser.parse_args(argv)
     try:
-        config = engine_config_from_args(args)
+        config = EngineConfig.from_cli_args(args)
     except ValueError as e:
         parser.error(str(e))
     return run_serve(args, config)

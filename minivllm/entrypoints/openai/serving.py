@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from minivllm.chat import chat_prompt
 from minivllm.engine import Prompt
 from minivllm.entrypoints.async_llm import AsyncLLM, RequestStream
 from minivllm.entrypoints.live import LiveRequests
@@ -149,7 +150,10 @@ class OpenAIServing:
 
     def _chat_prompt(self, messages: list[dict], max_tokens: int | None) -> Callable[[], Prompt]:
         def build() -> Prompt:  # runs on the engine thread
-            engine_prompt = chat_prompt(self.async_llm.tokenizer, messages)
+            try:
+                engine_prompt = chat_prompt(self.async_llm.tokenizer, messages)
+            except ValueError as e:  # no chat template
+                raise RequestError(str(e), "messages") from e
             self._check_context_length(
                 engine_prompt, max_tokens, "messages", "max_completion_tokens"
             )
@@ -247,15 +251,6 @@ class OpenAIServing:
             _, body = error_from_exception(e)
             yield _sse(json.dumps(body))
         yield _sse("[DONE]")
-
-
-def chat_prompt(tokenizer, conversation: list[dict]) -> dict:
-    """The conversation through the tokenizer's chat template, as `LLM.chat` builds it."""
-    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        raise RequestError("this model's tokenizer has no chat template", "messages")
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    return {"prompt": text, "prompt_token_ids": ids}
 
 
 def _single_prompt(prompt) -> str | list[int]:
