@@ -65,3 +65,21 @@ def test_run_http_reports_a_failing_server(server):
     workload = _workload(2)
     with pytest.raises(RequestFailed, match="404"):
         run_http(server.url, workload, progress=False, model="not-served")
+
+
+def test_bench_command_with_base_url(server, tiny_llama_path, tmp_path, capsys):
+    from minivllm.cli import main
+
+    out = tmp_path / "http.json"
+    argv = ["bench", "--base-url", server.url, "--model", str(tiny_llama_path)]
+    argv += ["--num-prompts", "6", "--prompt-len", "uniform:4:20", "--output-len", "4"]
+    argv += ["--request-rate", "100", "--max-concurrency", "3", "--no-progress"]
+    assert main(argv + ["--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"server {server.url} over HTTP" in printed and "TTFT p50 (ms)" in printed
+    import json
+
+    data = json.loads(out.read_text())
+    summary = data["runs"]["HTTP"]["summary"]
+    assert summary["num_requests"] == 6 and summary["num_output_tokens"] == 6 * 4
+    assert data["workload"]["max_concurrency"] == 3
