@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib.metadata
 import logging
 import signal
@@ -55,6 +54,8 @@ def build_app(async_llm: AsyncLLM, model_name: str) -> FastAPI:
     prometheus_client.disable_created_metrics()  # no `_created` series, as in vLLM
     live = LiveRequests(start_time=time.perf_counter())
     serving = OpenAIServing(async_llm, model_name, live)
+    # Called on the engine thread; setting one attribute of a listed request is safe there.
+    async_llm.abort_listeners.append(lambda request_id: live.fail(request_id, "abort"))
     metrics = ServerMetrics(async_llm, model_name)
     app = FastAPI(title="minivllm", version=VERSION)
     app.state.async_llm = async_llm
@@ -114,12 +115,13 @@ async def _respond(raw: Request, work) -> Response:
     ``with_cancellation``). A stream's disconnects are seen by Starlette itself."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_client_gone(raw))
-    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    watcher.cancel()
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler itself is cancelled (the server is stopping)
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # its request stream aborts the engine request
     if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         return Response(status_code=499)  # nobody is listening any more
     try:
         result = task.result()
