@@ -38,9 +38,11 @@ class LiveRequests:
         self.capacity = capacity
         self.requests: OrderedDict[str, LiveRequest] = OrderedDict()
 
-    def add(self, request_id: str, params: SamplingParams) -> None:
+    def add(self, request_id: str, params: SamplingParams, prompt: str) -> None:
         now = time.perf_counter() - self.start_time
-        self.requests[request_id] = LiveRequest(request_id, now, params.max_tokens)
+        self.requests[request_id] = LiveRequest(
+            request_id, now, params.max_tokens, prompt=prompt[-80:]
+        )
         while len(self.requests) > self.capacity:
             self.requests.popitem(last=False)
 
@@ -49,9 +51,7 @@ class LiveRequests:
         if request is None:
             return
         completion = output.outputs[0]
-        if not request.num_prompt_tokens:
-            request.num_prompt_tokens = len(output.prompt_token_ids)
-            request.prompt = (output.prompt or "")[-80:]
+        request.num_prompt_tokens = len(output.prompt_token_ids)
         # A stream's outputs carry only their new tokens; a plain request's one output
         # carries all of them: adding them up counts right either way.
         request.num_output_tokens += len(completion.token_ids)

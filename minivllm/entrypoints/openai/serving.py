@@ -67,8 +67,9 @@ class OpenAIServing:
             if getattr(request, field):
                 raise RequestError(f"{field} is not supported by minivllm", field)
         prompt = _single_prompt(request.prompt)
+        label = prompt if isinstance(prompt, str) else f"[{len(prompt)} token ids]"
         accepted = await self._accept(
-            "cmpl", request, request.max_tokens, self._completion_prompt(prompt, request)
+            "cmpl", request, request.max_tokens, self._completion_prompt(prompt, request), label
         )
         if request.stream:
             return self._completion_events(accepted, request.include_usage_in_stream)
@@ -127,7 +128,11 @@ class OpenAIServing:
         messages = [{"role": m.role, "content": _text_content(m.content)} for m in request.messages]
         max_tokens = request.requested_max_tokens
         accepted = await self._accept(
-            "chatcmpl", request, max_tokens, self._chat_prompt(messages, max_tokens)
+            "chatcmpl",
+            request,
+            max_tokens,
+            self._chat_prompt(messages, max_tokens),
+            messages[-1]["content"],
         )
         if request.stream:
             return self._chat_events(accepted, request.include_usage_in_stream)
@@ -190,15 +195,21 @@ class OpenAIServing:
     # --- shared --------------------------------------------------------------------------
 
     async def _accept(
-        self, prefix: str, request: SamplingFields, max_tokens, prompt: Callable[[], Prompt]
+        self,
+        prefix: str,
+        request: SamplingFields,
+        max_tokens: int | None,
+        prompt: Callable[[], Prompt],
+        label: str,
     ) -> Accepted:
         """Check the model and the parameters, and hand the request to the engine. Every
-        bad input raises before the engine does any work for it."""
+        bad input raises before the engine does any work for it. ``label``: the prompt as
+        the live page lists it."""
         self.check_model(request.model)
         params = request.sampling_params(max_tokens)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         stream = await self.async_llm.add_request(request_id, prompt, params)
-        self.live.add(request_id, params)
+        self.live.add(request_id, params, label)
         return Accepted(request_id, stream, int(time.time()), self.model_name)
 
     def check_model(self, model: str | None) -> None:
