@@ -410,9 +410,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize(
-    "sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)]
-)
+@pytest.mark.slow  # a fresh process imports torch and loads the model: ~15-30 s
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_server_process_shuts_down_cleanly(model_path, sig):
     port = _free_port()
     command = [sys.executable, "-m", "minivllm.cli", "serve"]
