@@ -13,6 +13,7 @@ from minivllm.simulator.cost_model import (
     lm_head_flops,
     step_bytes,
     step_cost,
+    StepShape,
     step_flops,
     weight_bytes,
 )
@@ -47,7 +48,10 @@ def test_flops_by_hand():
     assert attention_flops(TINY, chunk) == 4 * 4 * 12 * 2  # 384
     assert lm_head_flops(TINY, 1) == 2 * 4 * 10  # 80
     padding = ChunkShape(num_tokens=1, context_len=1, sample=False)  # 1 key, no LM head
-    assert step_flops(TINY, [chunk, padding]) == 2 * 4 * 2 * 144 + 384 + 4 * 4 * 1 * 2 + 80
+    assert (
+        step_flops(TINY, StepShape.of([chunk, padding]))
+        == 2 * 4 * 2 * 144 + 384 + 4 * 4 * 1 * 2 + 80
+    )
 
 
 def test_bytes_by_hand():
@@ -58,9 +62,9 @@ def test_bytes_by_hand():
     # one token's K and V: 2 x 2 layers x 1 head x 2 dims x 2 bytes = 16
     assert kv_read_bytes(TINY, chunk, 2) == 5 * 16
     assert kv_write_bytes(TINY, chunk, 2) == 3 * 16
-    assert step_bytes(TINY, [chunk], 2) == 696 + 80 + 48
+    assert step_bytes(TINY, StepShape.of([chunk]), 2) == 696 + 80 + 48
     no_sample = ChunkShape(num_tokens=3, context_len=5, sample=False)
-    assert step_bytes(TINY, [no_sample], 2) == 616 + 80 + 48
+    assert step_bytes(TINY, StepShape.of([no_sample]), 2) == 616 + 80 + 48
 
 
 def test_step_time_is_the_roofline_plus_overhead():

@@ -30,12 +30,13 @@ from minivllm.simulator.models import get_model
 SMOLLM2 = get_model("smollm2-135m")
 
 
-def calibration_workload(num_requests: int = 12, seed: int = 0) -> Workload:
-    """Short, varied requests: a real run of both policies takes about a minute here."""
+def calibration_workload(num_requests: int = 8, seed: int = 0) -> Workload:
+    """Short, varied requests: a real run of both policies takes well under a minute on
+    an idle 2-core machine."""
     return synthetic(
         num_requests,
-        LengthDistribution.parse("uniform:16:160"),
-        LengthDistribution.parse("uniform:4:32"),
+        LengthDistribution.parse("uniform:16:128"),
+        LengthDistribution.parse("uniform:4:24"),
         token_range=(100, SMOLLM2.vocab_size),  # skip SmolLM2's special tokens
         seed=seed,
     )
@@ -88,8 +89,13 @@ def _predicted_step_times(
 
 
 def calibrate(
-    policies: tuple[str, ...] = ("static", "continuous"), num_requests: int = 12, progress=False
+    policies: tuple[str, ...] = ("static", "continuous"), num_requests: int = 8, threads: int = 1
 ) -> tuple[Hardware, list[PolicyCalibration]]:
+    """Measure this CPU with ``threads`` torch threads (1: steadiest on a shared machine),
+    fit the step overhead, then compare real and simulated runs of each policy."""
+    import torch
+
+    torch.set_num_threads(threads)
     config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256)
     hardware = measure_this_cpu()
     fit_workload = calibration_workload(max(4, num_requests // 3), seed=1)
@@ -101,7 +107,7 @@ def calibrate(
         policy_config = _with(
             config, scheduling_policy=policy, max_model_len=workload.max_request_len
         )
-        measured = run_engine(policy_config, workload, progress=progress)
+        measured = run_engine(policy_config, workload, progress=False)
         simulated = simulate(
             _sim_config(policy_config, measured), Deployment(SMOLLM2, hardware), workload
         )

@@ -67,7 +67,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.calibrate:
         return _calibrate(args)
     from minivllm.bench import report
-    from minivllm.simulator.cluster import Deployment, search_replicas, simulate
+    from minivllm.simulator.cluster import search_replicas, simulate
 
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     workload = _workload(args)

@@ -60,11 +60,30 @@ def lm_head_flops(model: ModelShape, num_sampled: int) -> int:
     return 2 * model.hidden_size * model.vocab_size * num_sampled
 
 
-def step_flops(model: ModelShape, chunks: list[ChunkShape]) -> int:
-    num_rows = sum(c.num_tokens for c in chunks)
-    num_sampled = sum(c.sample for c in chunks)
-    attention = sum(attention_flops(model, c) for c in chunks)
-    return linear_flops(model, num_rows) + attention + lm_head_flops(model, num_sampled)
+@dataclass(frozen=True)
+class StepShape:
+    """A step's chunks, summed: all the cost model needs (one pass over the chunks)."""
+
+    num_rows: int
+    num_sampled: int
+    keys_attended: int  # summed over every row of every chunk
+    context_tokens: int  # summed over chunks: KV each one reads
+    any_sampled: bool
+
+    @classmethod
+    def of(cls, chunks: list[ChunkShape]) -> StepShape:
+        rows = sampled = keys = context = 0
+        for c in chunks:
+            rows += c.num_tokens
+            sampled += c.sample
+            keys += keys_attended(c)
+            context += c.context_len
+        return cls(rows, sampled, keys, context, sampled > 0)
+
+
+def step_flops(model: ModelShape, step: StepShape) -> int:
+    attention = 4 * model.q_size * step.keys_attended * model.num_layers  # = attention_flops
+    return linear_flops(model, step.num_rows) + attention + lm_head_flops(model, step.num_sampled)
 
 
 # --- bytes ---------------------------------------------------------------------------
@@ -98,14 +117,12 @@ def kv_write_bytes(model: ModelShape, chunk: ChunkShape, dtype_bytes: int, tp: i
     return chunk.num_tokens * kv_bytes_per_token(model, dtype_bytes, tp)
 
 
-def step_bytes(model: ModelShape, chunks: list[ChunkShape], dtype_bytes: int, tp: int = 1) -> int:
-    """Bytes one device moves: its share of the weights plus its heads' KV traffic."""
-    weights = weight_bytes(model, dtype_bytes, with_lm_head=any(c.sample for c in chunks)) // tp
-    kv = sum(
-        kv_read_bytes(model, c, dtype_bytes, tp) + kv_write_bytes(model, c, dtype_bytes, tp)
-        for c in chunks
-    )
-    return weights + kv
+def step_bytes(model: ModelShape, step: StepShape, dtype_bytes: int, tp: int = 1) -> int:
+    """Bytes one device moves: its share of the weights plus its heads' KV traffic
+    (`kv_read_bytes` and `kv_write_bytes` summed over the chunks)."""
+    weights = weight_bytes(model, dtype_bytes, with_lm_head=step.any_sampled) // tp
+    kv_tokens = step.context_tokens + step.num_rows
+    return weights + kv_tokens * kv_bytes_per_token(model, dtype_bytes, tp)
 
 
 # --- communication and the step ------------------------------------------------------
@@ -143,9 +160,10 @@ def step_cost(
     model: ModelShape, hardware: Hardware, chunks: list[ChunkShape], tp: int = 1
 ) -> StepCost:
     """The roofline time of one step that computes ``chunks`` on ``tp`` devices."""
-    flops = step_flops(model, chunks) // tp
-    num_bytes = step_bytes(model, chunks, hardware.dtype_bytes, tp)
-    num_rows = sum(c.num_tokens for c in chunks)
+    step = StepShape.of(chunks)
+    flops = step_flops(model, step) // tp
+    num_bytes = step_bytes(model, step, hardware.dtype_bytes, tp)
+    num_rows = step.num_rows
     return StepCost(
         flops=flops,
         bytes=num_bytes,

@@ -119,3 +119,21 @@ def get_model(name: str) -> ModelShape:
     if name not in MODELS:
         raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(MODELS)}")
     return MODELS[name]
+
+
+def shape_of(name: str, config: ModelConfig) -> ModelShape:
+    """The shape of a loaded model (e.g. a test checkpoint), to simulate it."""
+    return ModelShape(
+        name,
+        "local",
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        qk_norm=config.qk_norm,
+    )
