@@ -4,6 +4,7 @@ import pytest
 
 from minivllm.simulator.cost_model import (
     ChunkShape,
+    StepShape,
     allreduce_seconds,
     attention_flops,
     keys_attended,
@@ -13,7 +14,6 @@ from minivllm.simulator.cost_model import (
     lm_head_flops,
     step_bytes,
     step_cost,
-    StepShape,
     step_flops,
     weight_bytes,
 )
