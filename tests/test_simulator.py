@@ -1,6 +1,5 @@
 """The simulator: the real schedulers on simulated time, replicas, search, the CLI."""
 
-import math
 import time
 from dataclasses import replace
 
@@ -30,7 +29,7 @@ def test_simulated_and_real_engine_make_the_same_decisions(tiny_llama_path, poli
     workload = synthetic(
         10,
         LengthDistribution.parse("uniform:4:40"),
-        LengthDistribution.parse("uniform:1:12"),
+        LengthDistribution.parse("uniform:4:24"),
         token_range=(3, 256),
         seed=3,
     )
@@ -38,7 +37,7 @@ def test_simulated_and_real_engine_make_the_same_decisions(tiny_llama_path, poli
         model=str(tiny_llama_path),
         max_num_seqs=4,
         max_num_batched_tokens=32,
-        num_kv_blocks=24,  # tight: the continuous policy preempts
+        num_kv_blocks=8,  # tight: the continuous policy preempts
         max_model_len=workload.max_request_len,
         scheduling_policy=policy,
     )
@@ -78,7 +77,7 @@ def test_ten_thousand_requests_in_seconds():
 
 def test_static_batches_are_capped_by_contiguous_regions():
     """Each static request reserves max_model_len: the pool holds that many regions."""
-    workload = chat_workload(300, "sharegpt", seed=2)
+    workload = chat_workload(150, "sharegpt", seed=2)
     config = EngineConfig(
         max_num_seqs=256, num_kv_blocks=1000, max_model_len=1600, scheduling_policy="static"
     )
@@ -125,7 +124,6 @@ def test_search_finds_the_fewest_replicas_that_meet_the_target():
     n = found.num_replicas
     assert n is not None and n > 1
     assert found.tried[n] <= target
-    assert found.tried.get(n - 1, math.inf) > target or (n - 1) not in found.tried
     fewer = simulate(config, replace(deployment, num_replicas=n - 1), workload, False)
     assert fewer.summary.ttft.p99 > target
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from minivllm.bench.metrics import RequestResult, summarize
 from minivllm.bench.runner import BenchRun, exact_params
 from minivllm.bench.workloads import BenchRequest, Workload
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
-from minivllm.metrics import RequestResult, StepStats, summarize
+from minivllm.metrics import StepStats
 from minivllm.simulator.clock import SimClock
 from minivllm.simulator.executor import SimulatedExecutor
 from minivllm.simulator.hardware import Hardware

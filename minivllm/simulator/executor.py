@@ -10,8 +10,11 @@ take on the simulated hardware, moves the simulated clock forward by that much, 
 
 from __future__ import annotations
 
+import torch
+
 from minivllm.config import EngineConfig
-from minivllm.executor import ModelRunnerOutput
+from minivllm.executor import resolve_max_model_len
+from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import SchedulerOutput
 from minivllm.simulator.clock import SimClock
 from minivllm.simulator.cost_model import ChunkShape, StepCost, step_cost
@@ -42,6 +45,7 @@ class SimulatedExecutor:
         self.tensor_parallel_size = tensor_parallel_size
         self.model_config = model.to_model_config()
         self.eos_token_ids: frozenset[int] = frozenset()  # never reached: ignore_eos
+        self.device = torch.device("cpu")  # where per-request generators would live
         self.kv_pool: KVPoolSizing = size_kv_pool(
             model,
             hardware,
@@ -60,8 +64,7 @@ class SimulatedExecutor:
                 f"{self.kv_pool.activations / 2**30:.1f} GiB per device leave no room for KV "
                 "blocks; try a larger --tensor-parallel-size"
             )
-        capacity = self.num_kv_blocks * config.block_size
-        self.max_model_len = config.max_model_len or min(model.max_position_embeddings, capacity)
+        self.max_model_len = resolve_max_model_len(config, self.model_config, self.num_kv_blocks)
         self.step_costs: list[StepCost] | None = None  # set to [] to record every step
 
     def get_tokenizer(self) -> None:
@@ -69,8 +72,7 @@ class SimulatedExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         chunks = [
-            ChunkShape(len(c.token_ids), c.start_position + len(c.token_ids), c.sample)
-            for c in scheduler_output.chunks
+            ChunkShape(len(c.token_ids), c.context_len, c.sample) for c in scheduler_output.chunks
         ]
         cost = step_cost(self.model, self.hardware, chunks, self.tensor_parallel_size)
         self.clock.advance(cost.seconds)
