@@ -6,10 +6,12 @@ decisions and their steps pair up one to one (checked: same requests prefilled, 
 and padded in every step). For each pair the error is |predicted - measured| / measured;
 the whole run's error compares output throughput.
 
-``this-cpu`` is measured first (matmul rate, memory read rate). One more figure is
-fitted, on a separate short real run with another seed, so the comparison is out of
-sample: the per-step overhead (Python scheduling, sampling, tensor set-up), as the
-median of measured minus roofline time over that run's steps.
+``this-cpu`` is measured first (matmul rate on 1024 x 1024 matrices, memory read rate).
+Two more figures are fitted, on a separate short real run with another seed, so that the
+comparison is out of sample: a straight line through (roofline time, measured time) of
+that run's steps. Its intercept is the per-step overhead (Python scheduling, sampling,
+tensor set-up); its slope says how far below the measured peaks the model's own, much
+smaller matmuls and its attention run, and becomes the preset's efficiency (1 / slope).
 """
 
 from __future__ import annotations
@@ -63,13 +65,21 @@ class PolicyCalibration:
         return abs(self.simulated.summary.output_throughput - real) / real
 
 
-def fit_step_overhead(hardware: Hardware, config: EngineConfig, workload: Workload) -> float:
-    """Median over a real run's steps of (measured time - roofline time without overhead)."""
+def fit_step_model(hardware: Hardware, config: EngineConfig, workload: Workload) -> Hardware:
+    """``hardware`` with the overhead and efficiency that best fit a real run of
+    ``workload`` (least squares: measured = overhead + roofline time / efficiency)."""
     real = run_engine(config, workload, progress=False)
-    no_overhead = with_overrides(hardware, step_overhead_s=0.0)
-    predicted = _predicted_step_times(no_overhead, _sim_config(config, real), workload, real)
+    bare = with_overrides(hardware, step_overhead_s=0.0)
+    roofline = _predicted_step_times(bare, _sim_config(config, real), workload, real)
     measured = [s.end_time - s.start_time for s in real.steps]
-    return max(0.0, statistics.median(m - p for m, p in zip(measured, predicted)))
+    slope, intercept = np.polyfit(roofline, measured, 1)
+    efficiency = 1.0 / slope if slope > 0 else 1.0
+    return with_overrides(
+        hardware,
+        flops_efficiency=efficiency,
+        bandwidth_efficiency=efficiency,
+        step_overhead_s=max(0.0, float(intercept)),
+    )
 
 
 def _predicted_step_times(
@@ -98,9 +108,7 @@ def calibrate(
     torch.set_num_threads(threads)
     config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256)
     hardware = measure_this_cpu()
-    fit_workload = calibration_workload(max(4, num_requests // 3), seed=1)
-    overhead = fit_step_overhead(hardware, config, fit_workload)
-    hardware = with_overrides(hardware, step_overhead_s=overhead)
+    hardware = fit_step_model(hardware, config, calibration_workload(num_requests, seed=1))
     workload = calibration_workload(num_requests, seed=0)
     results = []
     for policy in policies:
@@ -122,10 +130,13 @@ def calibrate(
 
 
 def format_report(hardware: Hardware, results: list[PolicyCalibration]) -> str:
+    import torch
+
     lines = [
         f"this-cpu, measured: fp32 matmul {hardware.peak_flops / 1e9:.1f} GFLOP/s, memory read "
-        f"{hardware.memory_bandwidth / 1e9:.1f} GB/s, fitted step overhead "
-        f"{hardware.step_overhead_s * 1e3:.1f} ms",
+        f"{hardware.memory_bandwidth / 1e9:.1f} GB/s; fitted: step overhead "
+        f"{hardware.step_overhead_s * 1e3:.1f} ms, efficiency {hardware.flops_efficiency:.2f} "
+        f"of those rates ({torch.get_num_threads()} torch thread)",
         f"{'policy':<12}{'steps':>7}{'median step err':>17}{'P90 step err':>14}"
         f"{'real tok/s':>12}{'sim tok/s':>11}{'tput err':>10}",
     ]

@@ -79,9 +79,9 @@ def get_hardware(name: str) -> Hardware:
 
 def measure_this_cpu(seconds: float = 0.5, step_overhead_s: float = 0.0) -> Hardware:
     """This machine, measured just now with torch's current thread count: the fp32
-    matmul rate and the rate at which a sum streams a large tensor from memory. The
-    measured rates are already achieved rates, so the efficiencies are 1; the per-step
-    overhead is fitted from a real run by `calibrate.py`."""
+    matmul rate and the rate at which a sum streams a large tensor from memory, taken as
+    achieved rates (efficiencies 1). `calibrate.py` fits the per-step overhead and the
+    efficiency of the model's own steps from a real run."""
     from minivllm.metrics import measure_matmul_peak
 
     flops = measure_matmul_peak(size=1024, seconds=seconds) * 1e9
