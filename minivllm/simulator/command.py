@@ -14,6 +14,15 @@ from minivllm.simulator.hardware import HARDWARE_CHOICES
 from minivllm.simulator.models import MODELS
 from minivllm.simulator.workloads import CHAT_LENGTHS
 
+NOT_SIMULATED = (
+    "model",
+    "scheduling_policy",
+    "kv_cache_memory_bytes",
+    "attention_backend",
+    "dtype",
+    "device",
+    "seed",
+)
 TIMELINE_REQUESTS = 60  # the timeline plot draws the first requests only: one row each
 
 
@@ -48,16 +57,13 @@ def add_simulate_arguments(sim: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the real engine on SmolLM2 here and the simulator with this-cpu; compare",
     )
-    e = sim.add_argument_group("engine (vLLM's defaults for a GPU server)")
-    e.add_argument("--policy", default="static,continuous", help="comma-separated policies")
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized like vLLM")
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    e.add_argument(
-        "--max-model-len", type=int, default=None, help="default: the workload's longest request"
-    )
-    e.add_argument("--enable-prefix-caching", action="store_true")
+    sim.add_argument("--policy", default="static,continuous", help="comma-separated policies")
+    # The engine's own flags, generated from EngineConfig, minus what a simulation has no
+    # use for (--model here names a preset, not a checkpoint). Defaults: a GPU server's.
+    from minivllm.config import EngineConfig
+
+    EngineConfig.add_cli_args(sim, exclude=NOT_SIMULATED)
+    sim.set_defaults(max_num_seqs=256, max_num_batched_tokens=8192)
     o = sim.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     o.add_argument("--plot", default=None, metavar="DIR", help="write timeline/batch/CDF PNGs")
@@ -161,16 +167,11 @@ def _deployment(args):
 
 
 def _engine_config(args, policy: str, max_model_len: int):
+    """The engine's settings from the flags; no checkpoint (the executor is simulated)."""
     from minivllm.config import EngineConfig
 
-    return EngineConfig(
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=policy,
+    return EngineConfig.from_cli_args(
+        args, model=None, scheduling_policy=policy, max_model_len=max_model_len
     )
 
 
