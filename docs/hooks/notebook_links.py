@@ -4,10 +4,14 @@ re-executed for the second language."""
 
 from __future__ import annotations
 
+import os
 import posixpath
+import re
 from pathlib import Path
 
 from mkdocs.exceptions import PluginError
+from mkdocs.plugins import event_priority
+from mkdocs_jupyter.plugin import NotebookFile
 
 # Notebook file stem -> the Chinese chapters that explain it: (docs path, title).
 CHINESE_CHAPTERS = {
@@ -47,16 +51,61 @@ def on_config(config):
     return config
 
 
-def on_page_content(html, page, config, files):
+@event_priority(-200)  # after mkdocs-static-i18n's on_files (-100)
+def on_files(files, config):
+    """mkdocs-static-i18n rebuilds every File, which turns mkdocs-jupyter's notebook pages
+    back into plain assets (the raw .ipynb would be copied to index.html): wrap them
+    again. In the Chinese build i18n places them like an English asset, over the English
+    page: they go under zh/ instead (the same executed notebook, rendered in the Chinese
+    site's frame; nothing is executed again)."""
+    i18n = config.plugins["i18n"]
+    prefix = "" if i18n.current_language == i18n.default_language else i18n.current_language
+    for file in list(files):
+        if file.src_uri.endswith(".ipynb") and not isinstance(file, NotebookFile):
+            notebook = NotebookFile(
+                file, use_directory_urls=config.use_directory_urls, site_dir=config.site_dir
+            )
+            if prefix and not notebook.dest_path.startswith(prefix + "/"):
+                notebook.dest_path = f"{prefix}/{notebook.dest_path}"
+                notebook.abs_dest_path = os.path.join(config.site_dir, notebook.dest_path)
+                notebook.url = f"{prefix}/{notebook.url}"
+            files.remove(file)
+            files.append(notebook)
+    return files
+
+
+# A link in a notebook's Markdown to another page, e.g. ../tutorial/results.md: mkdocs-jupyter
+# leaves it as written, which is a dead link on the built site.
+PAGE_LINK = re.compile(r'href="([^":#]+?)\.(?:md|ipynb)(#[^"]*)?"')
+
+
+def _page_links_to_urls(html: str, src_uri: str, to_root: str, lang_prefix: str) -> str:
+    def to_url(match: re.Match) -> str:
+        target = posixpath.normpath(posixpath.join(posixpath.dirname(src_uri), match[1]))
+        directory = target.removesuffix("index").rstrip("/")
+        url = f"{to_root}{lang_prefix}{directory + '/' if directory else ''}{match[2] or ''}"
+        return f'href="{url}"'
+
+    return PAGE_LINK.sub(to_url, html)
+
+
+# mkdocs-jupyter renders a notebook outside the on_page_content event, so the banner goes
+# into the finished page, at the start of the article.
+ARTICLE = '<article class="md-content__inner md-typeset">'
+
+
+def on_post_page(html, page, config):
     src = page.file.src_uri
-    if not src.endswith(".ipynb"):
-        return html
-    chapters = CHINESE_CHAPTERS.get(posixpath.splitext(posixpath.basename(src))[0])
-    if not chapters:
+    if not src.endswith(".ipynb") or ARTICLE not in html:
         return html
     # Relative links, so the site works under any base URL. page.url is e.g.
     # "notebooks/01_paged_kv_cache/" (English) or "zh/notebooks/01_paged_kv_cache/".
     to_root = "../" * (page.url.rstrip("/").count("/") + 1)
+    lang_prefix = "zh/" if page.url.startswith("zh/") else ""
+    html = _page_links_to_urls(html, src, to_root, lang_prefix)
+    chapters = CHINESE_CHAPTERS.get(posixpath.splitext(posixpath.basename(src))[0])
+    if not chapters:
+        return html
     links = "、".join(
         f'<a href="{to_root}{_chinese_url(path)}">{title}</a>' for path, title in chapters
     )
@@ -66,4 +115,4 @@ def on_page_content(html, page, config, files):
         f"<p>本 notebook 为英文；对应的中文讲解见 {links}。</p>"
         "</div>"
     )
-    return banner + html
+    return html.replace(ARTICLE, ARTICLE + banner, 1)
