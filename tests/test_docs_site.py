@@ -196,7 +196,7 @@ def test_chinese_home_page_renders_cjk_text(site_server, tmp_path):
     page, dom, _ = render(base_url + "/zh/", tmp_path, "zh-home")
 
     assert page.lang.startswith("zh"), page.lang
-    assert page.title.startswith("minivllm")
+    assert page.title == "首页 - minivllm", page.title
     assert "连续批处理" in dom and "分页注意力" in dom
     figures = [src for src in page.img_srcs if src.endswith(".png")]
     assert figures, f"no figure on the Chinese home page: {page.img_srcs}"
@@ -266,3 +266,16 @@ def test_notebook_pages_link_to_the_chinese_chapter(site_server):
         f"{base_url}/zh/tutorial/paged-attention/"
     )
     assert (SITE / "zh/tutorial/paged-attention/index.html").is_file()
+
+
+def test_chinese_paragraphs_have_no_space_between_characters():
+    """A source line break between two Chinese characters must not reach the page, where
+    Chromium would draw it as a space (docs/hooks/cjk_lines.py joins those lines)."""
+    broken = re.compile(r"[\u3000-\u303f\u4e00-\u9fff\uff00-\uffef]\n\s*[\u4e00-\u9fff]")
+    text_block = re.compile(r"<(p|li|figcaption)>(.*?)</\1>", re.S)
+    pages = sorted((SITE / "zh").rglob("index.html"))
+    assert len(pages) > 10
+    for page in pages:
+        html = page.read_text(encoding="utf-8")
+        for _, paragraph in text_block.findall(html):
+            assert not broken.search(paragraph), f"{page}: {paragraph[:200]}"
