@@ -279,3 +279,19 @@ def test_chinese_paragraphs_have_no_space_between_characters():
         html = page.read_text(encoding="utf-8")
         for _, paragraph in text_block.findall(html):
             assert not broken.search(paragraph), f"{page}: {paragraph[:200]}"
+
+
+def test_every_page_has_the_language_switch():
+    """Each page, in either language, links to itself in the other one (a page with no
+    Chinese text, like the API reference, to its copy under /zh/, shown in English)."""
+    pages = sorted(SITE.rglob("index.html"))
+    assert len(pages) > 20
+    for page in pages:
+        parsed = _static_page(str(page.parent.relative_to(SITE)))
+        url = "http://site/" + page.parent.relative_to(SITE).as_posix() + "/"
+        english = url.replace("http://site/zh/", "http://site/").replace("/./", "/")
+        chinese = english.replace("http://site/", "http://site/zh/")
+        assert {lang: urljoin(url, href) for lang, href in parsed.alternates.items()} == {
+            "en": english,
+            "zh": chinese,
+        }, page
