@@ -1,6 +1,10 @@
-"""mkdocs hook: each notebook page (English only) points Chinese readers to the tutorial
-chapter that explains the same idea, so the notebooks stay untouched and are never
-re-executed for the second language."""
+"""mkdocs hook: the notebook pages in a two-language site.
+
+Notebooks stay in English and are executed once (notebooks/execute.py). This hook makes
+mkdocs-jupyter's pages survive mkdocs-static-i18n (both languages render the same executed
+notebook), turns the notebooks' links to other pages into site URLs, and puts at the top of
+each notebook page a link to the Chinese chapter that explains the same idea.
+"""
 
 from __future__ import annotations
 
