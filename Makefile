@@ -27,7 +27,7 @@ $(INSTALLED): pyproject.toml
 model: $(MODEL_STAMP)
 
 $(MODEL_STAMP): $(INSTALLED)
-	$(PY) -m minivllm.model_files
+	$(PY) -m minivllm.models.model_files
 	touch $@
 
 # A few prompts, then static vs continuous batching measured on one seeded workload (with

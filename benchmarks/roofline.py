@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from minivllm import LLM, SamplingParams
+from minivllm import EngineConfig, LLMEngine, SamplingParams
+from minivllm.bench.metrics import measure_matmul_peak
 from minivllm.bench.workloads import LengthDistribution, synthetic
-from minivllm.metrics import measure_matmul_peak
 
 
 def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -38,8 +38,8 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--num-requests", type=int, default=32)
+    EngineConfig.add_cli_args(parser, exclude=("max_num_seqs",))
     args = parser.parse_args()
 
     peak_gflops, read_gbps = measure_matmul_peak(), measure_read_bandwidth()
@@ -48,9 +48,9 @@ def main() -> None:
         f"{peak_gflops:.0f} GFLOP/s, memory read {read_gbps:.1f} GB/s"
     )
 
-    llm = LLM(attention_backend=args.attention_backend, max_num_seqs=args.num_requests)
-    engine, config = llm.llm_engine, llm.llm_engine.model.config
-    vocab = engine.model.config.vocab_size
+    engine = LLMEngine(EngineConfig.from_cli_args(args, max_num_seqs=args.num_requests))
+    config = engine.executor.model_config
+    vocab = engine.executor.model_config.vocab_size
     workload = synthetic(
         args.num_requests, LengthDistribution.parse("uniform:16:400"),
         LengthDistribution.parse("128"), (10, vocab), seed=0,
@@ -61,7 +61,7 @@ def main() -> None:
             request.request_id, {"prompt_token_ids": request.prompt_token_ids}, params
         )
 
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.executor.model.parameters())
     kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
     prefill, decode = [], []
     while engine.has_unfinished_requests() and len(decode) < 20:
@@ -70,10 +70,13 @@ def main() -> None:
         seconds = time.perf_counter() - start
         step = engine.last_step
         if step.num_prefill_tokens >= 0.9 * engine.config.max_num_batched_tokens:
-            flops = sum(_chunk_flops(config, s, n) for s, n in zip(step.seqs, step.num_new_tokens))
+            flops = sum(
+                _chunk_flops(config, s, n)
+                for s, n in zip(step.scheduled_seqs, step.num_scheduled_tokens.values())
+            )
             prefill.append((seconds, flops))
-        elif step.num_decode_tokens == len(step.seqs) == args.num_requests:
-            context = sum(s.num_computed_tokens for s in step.seqs)
+        elif step.num_decode_tokens == len(step.scheduled_seqs) == args.num_requests:
+            context = sum(s.num_computed_tokens for s in step.scheduled_seqs)
             decode.append((seconds, weight_bytes + context * kv_bytes_per_token))
 
     seconds, flops = _median(prefill)

@@ -13,6 +13,12 @@ from minivllm.bench.workloads import LengthDistribution, Workload
 
 
 def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument(
+        "--policy",
+        "--scheduling-policy",
+        default="static,continuous",
+        help="scheduling policies to compare, comma-separated: continuous, static",
+    )
     w = bench.add_argument_group("workload")
     w.add_argument(
         "--workload", choices=["synthetic", "shared-prefix", "file"], default="synthetic"
@@ -50,8 +56,8 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from minivllm.bench import report
+    from minivllm.bench.metrics import measure_matmul_peak
     from minivllm.bench.runner import run_engine
-    from minivllm.metrics import measure_matmul_peak
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -141,12 +147,12 @@ def build_workload(args: argparse.Namespace, tokenizer, vocab_size: int) -> Work
 
 
 def _engine_config(args: argparse.Namespace, policy: str, max_model_len: int | None = None):
-    from minivllm.cli import engine_config_from_args
+    from minivllm.config import EngineConfig
 
-    overrides = {"policy": policy}
+    overrides = {"scheduling_policy": policy}
     if max_model_len is not None:
         overrides["max_model_len"] = max_model_len
-    return engine_config_from_args(argparse.Namespace(**{**vars(args), **overrides}))
+    return EngineConfig.from_cli_args(args, **overrides)
 
 
 def _tokenizer_and_vocab_size(model_path):
@@ -178,7 +184,7 @@ def _hf_runs(args, config, model_path, workload: Workload, num_kv_blocks, progre
 
 
 def _default_model() -> str:
-    from minivllm.model_files import default_model_path
+    from minivllm.models.model_files import default_model_path
 
     return str(default_model_path())
 
