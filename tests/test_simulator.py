@@ -40,6 +40,7 @@ def test_simulated_and_real_engine_make_the_same_decisions(tiny_llama_path, poli
         num_kv_blocks=8,  # tight: the continuous policy preempts
         max_model_len=workload.max_request_len,
         scheduling_policy=policy,
+        attention_backend="torch",  # no kernel compile: the timing does not matter here
     )
     real = run_engine(config, workload, progress=False)
     shape = shape_of("tiny", model_config_from_hf(load_hf_config(tiny_llama_path)))

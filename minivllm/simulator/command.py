@@ -125,7 +125,7 @@ def _calibrate(args) -> int:
     from minivllm.simulator.calibrate import calibrate, format_report
 
     policies = tuple(p.strip() for p in args.policy.split(",") if p.strip())
-    print("running the real engine on SmolLM2, then the simulator (under a minute on an idle machine)...")
+    print("running the real engine on SmolLM2, then the simulator (under a minute, idle)...")
     hardware, results = calibrate(policies)
     print(format_report(hardware, results))
     return 0
