@@ -95,8 +95,8 @@ class AsyncLLM:
     """Serve an `LLMEngine` to many concurrent asyncio callers; see the module docstring.
 
     ``step_listeners`` are called on the engine thread after every step with the step's
-    `StepRecord` and its outputs (the metrics use this); ``finish_listeners`` with the id
-    and reason of a request that was aborted."""
+    `StepRecord` and its outputs (the metrics use this); ``abort_listeners`` with the id
+    of each request that was aborted. A listener that raises is logged, not fatal."""
 
     def __init__(self, engine: LLMEngine, step_history: int = 300) -> None:
         self.engine = engine
@@ -160,7 +160,7 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if self.engine.abort_request(request_id):
                 for listener in self.abort_listeners:
-                    listener(request_id)
+                    _call_logged(listener, request_id)
 
         self._submit(abort)
 
@@ -210,7 +210,7 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            command()
+            _call_logged(command)
 
     def _step(self) -> None:
         engine = self.engine
@@ -225,7 +225,7 @@ class AsyncLLM:
             record = StepRecord(self._num_steps, stats)
             self.recent_steps.append(record)
             for listener in self.step_listeners:
-                listener(record, outputs)
+                _call_logged(listener, record, outputs)
         # One wake-up of the event loop per step, not one per output.
         deliveries = []
         for output in outputs:
@@ -255,6 +255,14 @@ class AsyncLLM:
             self.engine.abort_request(request_id)
             stream.put_threadsafe(error)
         self._streams.clear()
+
+
+def _call_logged(function: Callable, *args) -> None:
+    """Run a command or listener on the engine thread; a bug in one must not stop it."""
+    try:
+        function(*args)
+    except Exception:
+        logger.exception("error on the engine thread (the loop goes on)")
 
 
 def _deliver_threadsafe(deliveries: list[tuple[RequestStream, RequestOutput]]) -> None:
