@@ -291,8 +291,21 @@ def test_idle_server_uses_no_cpu(server, client):
     assert used < 0.05, f"idle server used {used:.0%} of a core"
 
 
-def test_metrics_have_vllm_names(server, client):
-    client.completions.create(model=MODEL_NAME, prompt="w3 w4", max_tokens=3, temperature=0)
+def test_metrics_have_vllm_names_and_exact_counts(server, client):
+    _wait_until_idle(server)
+    before = httpx.get(server.url + "/metrics").text
+    for stream in (False, True):  # a FINAL_ONLY and a DELTA request: counted alike
+        reply = client.completions.create(
+            model=MODEL_NAME,
+            prompt="w3 w4 w5",
+            max_tokens=5,
+            temperature=0,
+            stream=stream,
+            extra_body={"ignore_eos": True},
+        )
+        if stream:
+            list(reply)
+    _wait_until_idle(server)
     text = httpx.get(server.url + "/metrics").text
     for name in [
         "vllm:num_requests_running",
@@ -309,8 +322,17 @@ def test_metrics_have_vllm_names(server, client):
         "vllm:e2e_request_latency_seconds_bucket",
     ]:
         assert f"\n{name}{{" in text, name
-    assert _metric(text, "vllm:request_success_total", finished_reason="length") >= 1
-    assert _metric(text, "vllm:time_to_first_token_seconds_count") >= 1
+
+    def grew(name: str, **labels) -> float:
+        return _metric(text, name, **labels) - _metric(before, name, **labels)
+
+    assert grew("vllm:generation_tokens_total") == 2 * 5
+    assert grew("vllm:prompt_tokens_total") == 2 * 3  # "w3 w4 w5": 3 tokens, no BOS
+    assert grew("vllm:request_success_total", finished_reason="length") == 2
+    assert grew("vllm:time_to_first_token_seconds_count") == 2
+    assert grew("vllm:inter_token_latency_seconds_count") == 2 * 4
+    assert grew("vllm:e2e_request_latency_seconds_count") == 2
+    assert _metric(text, "vllm:num_requests_running") == 0
 
 
 # --- bad input ------------------------------------------------------------------------------

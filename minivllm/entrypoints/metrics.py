@@ -2,8 +2,9 @@
 work unchanged against ``minivllm serve``'s ``/metrics``.
 
 Updated on the engine thread after every step (`AsyncLLM.step_listeners`): queue gauges and
-KV usage from the step's `StepStats`, token counters from its prefill / decode counts,
-latency histograms from each finished request's `RequestMetrics`. prometheus_client adds
+KV usage from the step's `StepStats`, the prompt-token counter from its prefill count, and
+from each output its new tokens, its TTFT (with the first token), ITLs (for later ones) and
+e2e latency (at the finish), read off its `RequestMetrics`. prometheus_client adds
 ``_total`` to counter names when scraped (``vllm:prompt_tokens_total``).
 """
 
@@ -86,7 +87,7 @@ class ServerMetrics:
         self.prompt_tokens.inc(step.num_prefill_tokens)
         self.preemptions.inc(len(step.preempted_ids))
         for output in outputs:
-            self.generation_tokens.inc(_num_new_tokens(output))
+            self._on_new_tokens(output)
             if output.finished:
                 self._on_finished(output)
         if self._engine.config.enable_prefix_caching:
@@ -100,18 +101,28 @@ class ServerMetrics:
         used = stats["num_kv_blocks"] - stats["num_free_blocks"]
         self.kv_cache_usage.set(used / stats["num_kv_blocks"])
 
+    def _on_new_tokens(self, output: RequestOutput) -> None:
+        """Count the output's new tokens; observe TTFT with the first one and an ITL for
+        each later one, as they happen (as vLLM does, once per step)."""
+        # A stream's (DELTA) output carries only the new tokens; a plain request's
+        # (FINAL_ONLY) one carries all of them, once: both are "the tokens not yet seen".
+        num_new = len(output.outputs[0].token_ids)
+        self.generation_tokens.inc(num_new)
+        metrics = output.metrics
+        if metrics is None or num_new == 0:
+            return
+        times = metrics.token_times
+        first_new = len(times) - num_new
+        if first_new == 0 and metrics.ttft is not None:
+            self.ttft.observe(metrics.ttft)
+        for i in range(max(first_new, 1), len(times)):
+            self.itl.observe(times[i] - times[i - 1])
+
     def _on_finished(self, output: RequestOutput) -> None:
         reason = output.outputs[0].finish_reason or "stop"
         self.request_success[reason].inc()
-        metrics = output.metrics
-        if metrics is None:
-            return
-        if metrics.ttft is not None:
-            self.ttft.observe(metrics.ttft)
-        for itl in metrics.inter_token_latencies:
-            self.itl.observe(itl)
-        if metrics.e2e_latency is not None:
-            self.e2e.observe(metrics.e2e_latency)
+        if output.metrics is not None and output.metrics.e2e_latency is not None:
+            self.e2e.observe(output.metrics.e2e_latency)
 
     def _count_prefix_cache(self) -> None:
         stats = self._engine.stats()
@@ -122,9 +133,3 @@ class ServerMetrics:
         self.prefix_queries.inc(queries - seen_queries)
         self.prefix_hits.inc(hits - seen_hits)
         self._prefix_seen = (queries, hits)
-
-
-def _num_new_tokens(output: RequestOutput) -> int:
-    """Tokens this output adds: a DELTA output carries only the new ones; a FINAL_ONLY one
-    carries all of them, once, at the end."""
-    return len(output.outputs[0].token_ids)
