@@ -196,6 +196,22 @@ def test_chat_equals_llm_chat(client, llm):
         assert chunks[-1].usage is None  # no stream_options: no usage chunk, as in OpenAI
 
 
+def test_stop_seed_and_sampling_fields(client):
+    args = dict(model=MODEL_NAME, prompt="w1 w2 w3", max_tokens=12, temperature=0)
+    args["extra_body"] = {"ignore_eos": True}
+    full = client.completions.create(**args).choices[0].text
+    stop = full.split()[3]  # the fourth generated word
+    cut = client.completions.create(**args, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and full.startswith(cut.text)
+    assert cut.text == full[: full.index(stop)]
+    assert cut.model_extra["stop_reason"] == stop
+
+    sampled = dict(args, temperature=1.0, top_p=0.9, seed=7)
+    sampled["extra_body"] = {"ignore_eos": True, "top_k": 50, "min_p": 0.01}
+    first, again = (client.completions.create(**sampled).choices[0].text for _ in range(2))
+    assert first == again  # a per-request seed makes sampling reproducible
+
+
 def test_sse_wire_format(server):
     """The bytes a non-openai client sees: data: events, [DONE] last, one id and created."""
     body = {"model": MODEL_NAME, "prompt": "w5 w6", "max_tokens": 4, "temperature": 0}
