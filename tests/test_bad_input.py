@@ -16,7 +16,7 @@ def llm(tiny_llama_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+        ({"temperature": -0.5}, "temperature must be finite and >= 0, got -0.5"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
         ({"top_p": 1.5}, "got 1.5"),
         ({"top_k": -3}, "top_k .* got -3"),
