@@ -29,9 +29,10 @@ class SamplingParams:
     """Sampling and stopping settings for one request.
 
     ``temperature=0`` (anything below ``SAMPLING_EPS``) means greedy. ``top_k=0`` (or -1),
-    ``top_p=1`` and ``min_p=0`` switch those filters off. ``seed`` makes this request's random choices reproducible
-    whatever else shares its batch. ``min_tokens``: no stop (EOS, stop ids, stop strings)
-    before that many tokens; EOS and stop ids are not even sampled. Invalid values raise
+    ``top_p=1`` and ``min_p=0`` switch those filters off. ``seed`` makes this request's
+    random choices reproducible whatever else shares its batch. ``min_tokens``: no stop
+    (EOS, stop ids, stop strings) before that many tokens; EOS and stop ids are not even
+    sampled. Invalid values raise
     ValueError at construction; integer fields accept numpy and torch integers too.
     """
 
