@@ -93,15 +93,19 @@ class Detokenizer:
         self.output_text = text[:cut]
         return self.stop_string
 
-    def finish(self) -> None:
-        """The request ended: add what an unfinished last character holds back (as U+FFFD,
-        like a plain decode), unless a stop string already cut the text."""
+    def finish(self) -> str | None:
+        """The request ends: add what an unfinished last character held back (as U+FFFD,
+        like a plain decode) and return the stop string that text completes, if any (or
+        the one that already fired)."""
         if self.tokenizer is None or self.stop_string is not None:
-            return
+            return self.stop_string
         prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self.token_ids[self._prefix_offset :])
         self.output_text += new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset = len(self.token_ids)
+        if self.num_output_tokens <= self.params.min_tokens:
+            return None
+        return self._find_stop_string()
 
     def text_to_show(self, finished: bool) -> str:
         """All the text the user may see now: not the held-back tail until the end."""

@@ -53,12 +53,14 @@ class OutputProcessor:
         detokenizer = self.detokenizers[seq.request_id]
         stop = self._check_stop_token(seq)
         stop_string = detokenizer.update(seq.token_ids[-1], stopped_by_token=stop is not None)
-        if stop is None and stop_string is not None:
-            stop = StopDecision(FinishReason.STOP, stop_string)
-        if stop is None and self._reached_length(seq):
+        if stop is None and stop_string is None and self._reached_length(seq):
             stop = StopDecision(FinishReason.LENGTH)
         if stop is not None:
-            detokenizer.finish()
+            # The text an unfinished last character held back comes out now: it may
+            # complete a stop string too.
+            stop_string = detokenizer.finish()
+        if stop_string is not None:
+            return StopDecision(FinishReason.STOP, stop_string)
         return stop
 
     def _reached_length(self, seq: Sequence) -> bool:
