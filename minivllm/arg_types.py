@@ -46,6 +46,21 @@ def finite_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A share in (0, 1]."""
+    value = _number(text, float)
+    if not 0 < value <= 1:  # NaN included
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
 def rate(text: str) -> float:
     """A positive rate; ``inf`` (the default) means everything at once."""
     value = _number(text, float)
@@ -78,3 +93,13 @@ def comma_list(choices: tuple[str, ...], name: str):
         return items
 
     return parse
+
+
+def length_distribution(spec: str):
+    """A benchmark length distribution: ``N``, ``uniform:LO:HI`` or ``lognormal:...``."""
+    from minivllm.bench.workloads import LengthDistribution
+
+    try:
+        return LengthDistribution.parse(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -10,7 +10,7 @@ import sys
 from dataclasses import asdict
 
 from minivllm import arg_types
-from minivllm.bench.workloads import LengthDistribution, Workload
+from minivllm.bench.workloads import Workload
 from minivllm.config import SCHEDULING_POLICIES
 
 
@@ -30,11 +30,14 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--prompt-len",
         default="uniform:16:400",
-        type=length_distribution,
+        type=arg_types.length_distribution,
         help="N, uniform:LO:HI or lognormal:MED:SIGMA:LO:HI",
     )
     w.add_argument(
-        "--output-len", default="uniform:8:128", type=length_distribution, help="like --prompt-len"
+        "--output-len",
+        default="uniform:8:128",
+        type=arg_types.length_distribution,
+        help="like --prompt-len",
     )
     w.add_argument(
         "--system-prompt-len",
@@ -66,13 +69,6 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         help="torch CPU threads for every run (default: torch's). On a CPU shared with other "
         "busy processes, 1 avoids threads waiting on each other at every small op",
     )
-
-
-def length_distribution(spec: str) -> LengthDistribution:
-    try:
-        return LengthDistribution.parse(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def run_bench(args: argparse.Namespace) -> int:
