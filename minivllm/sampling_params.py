@@ -54,6 +54,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name), list | tuple | None):
+                raise ValueError(f"{name} must be a list, got {getattr(self, name)!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = [as_int("stop_token_ids", t) for t in self.stop_token_ids or []]
         self.n, self.top_k, self.min_tokens = (

@@ -120,6 +120,8 @@ def test_cli_reports_bad_value_without_traceback(capsys):
         ({"temperature": "0.5"}, "temperature must be a number, got '0.5'"),
         ({"top_p": True}, "top_p must be a number, got True"),
         ({"output_kind": "delta"}, "output_kind must be a RequestOutputKind"),
+        ({"stop": 5}, "stop must be a list, got 5"),
+        ({"stop_token_ids": 2}, "stop_token_ids must be a list, got 2"),
     ],
 )
 def test_bad_sampling_values_that_torch_would_choke_on(kwargs, match):
