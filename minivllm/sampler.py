@@ -53,17 +53,22 @@ class Sampler:
     def _mask_stops_before_min_tokens(
         self, logits: torch.Tensor, seqs: list[ScheduledChunk | Sequence]
     ) -> torch.Tensor:
+        """EOS (unless ignored) and stop token ids get probability 0 in each row whose
+        request has fewer than ``min_tokens`` outputs."""
         vocab_size = logits.shape[-1]
+        banned_per_row = {}
         for row, seq in enumerate(seqs):
             params = seq.sampling_params
-            if seq.num_output_tokens >= params.min_tokens:
-                continue
-            stops = set(params.stop_token_ids)
-            if not params.ignore_eos:
-                stops |= self.eos_token_ids
-            banned = [t for t in stops if t < vocab_size]
-            if banned:
-                logits[row, banned] = float("-inf")
+            if seq.num_output_tokens < params.min_tokens:
+                stops = set(params.stop_token_ids) | (
+                    set() if params.ignore_eos else self.eos_token_ids
+                )
+                banned_per_row[row] = [t for t in stops if t < vocab_size]
+        if not any(banned_per_row.values()):
+            return logits
+        logits = logits.clone()  # the caller's tensor stays as the model made it
+        for row, banned in banned_per_row.items():
+            logits[row, banned] = float("-inf")
         return logits
 
 
