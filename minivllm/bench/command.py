@@ -9,7 +9,9 @@ import shlex
 import sys
 from dataclasses import asdict
 
-from minivllm.bench.workloads import LengthDistribution, Workload
+from minivllm import arg_types
+from minivllm.bench.workloads import Workload
+from minivllm.config import SCHEDULING_POLICIES
 
 
 def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
@@ -17,27 +19,44 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         "--policy",
         "--scheduling-policy",
         default="static,continuous",
+        type=arg_types.comma_list(SCHEDULING_POLICIES, "scheduling policy"),
         help="scheduling policies to compare, comma-separated: continuous, static",
     )
     w = bench.add_argument_group("workload")
     w.add_argument(
         "--workload", choices=["synthetic", "shared-prefix", "file"], default="synthetic"
     )
-    w.add_argument("--num-prompts", type=int, default=64)
+    w.add_argument("--num-prompts", type=arg_types.positive_int, default=64)
     w.add_argument(
         "--prompt-len",
         default="uniform:16:400",
+        type=arg_types.length_distribution,
         help="N, uniform:LO:HI or lognormal:MED:SIGMA:LO:HI",
     )
-    w.add_argument("--output-len", default="uniform:8:128", help="like --prompt-len")
     w.add_argument(
-        "--system-prompt-len", type=int, default=256, help="for --workload shared-prefix"
+        "--output-len",
+        default="uniform:8:128",
+        type=arg_types.length_distribution,
+        help="like --prompt-len",
     )
-    w.add_argument("--dataset", default=None, help="JSONL of prompts, for --workload file")
-    w.add_argument("--workload-seed", type=int, default=0)
+    w.add_argument(
+        "--system-prompt-len",
+        type=arg_types.positive_int,
+        default=256,
+        help="for --workload shared-prefix",
+    )
+    w.add_argument(
+        "--dataset",
+        type=arg_types.existing_file,
+        default=None,
+        help="JSONL of prompts, for --workload file",
+    )
+    w.add_argument("--workload-seed", type=arg_types.non_negative_int, default=0)
     r = bench.add_argument_group("arrivals (default: offline, everything at t=0)")
-    r.add_argument("--request-rate", type=float, default=math.inf, help="Poisson, requests/s")
-    r.add_argument("--max-concurrency", type=int, default=None)
+    r.add_argument(
+        "--request-rate", type=arg_types.rate, default=math.inf, help="Poisson, requests/s"
+    )
+    r.add_argument("--max-concurrency", type=arg_types.positive_int, default=None)
     h = bench.add_argument_group("a running server instead (like `vllm bench serve`)")
     h.add_argument(
         "--base-url",
@@ -59,7 +78,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     o.add_argument(
         "--threads",
-        type=int,
+        type=arg_types.positive_int,
         default=None,
         help="torch CPU threads for every run (default: torch's). On a CPU shared with other "
         "busy processes, 1 avoids threads waiting on each other at every small op",
@@ -75,7 +94,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    policies = args.policy
     for policy in policies:
         _engine_config(args, policy)  # a bad option or policy name fails before any work
     model_path = args.model or _default_model()
@@ -168,8 +187,7 @@ def _add_model_flops(runs, model_path) -> None:
 def build_workload(args: argparse.Namespace, tokenizer, vocab_size: int) -> Workload:
     from minivllm.bench import workloads
 
-    prompt_len = LengthDistribution.parse(args.prompt_len)
-    output_len = LengthDistribution.parse(args.output_len)
+    prompt_len, output_len = args.prompt_len, args.output_len
     # Random prompt ids skip the special tokens (they sit at the start of the vocabulary).
     special = getattr(tokenizer, "all_special_ids", None) or [-1]
     token_range = (max(special) + 1, vocab_size)

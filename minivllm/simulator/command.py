@@ -9,6 +9,8 @@ import shlex
 import sys
 from dataclasses import asdict, replace
 
+from minivllm import arg_types
+from minivllm.config import SCHEDULING_POLICIES
 from minivllm.simulator.cluster import ROUTERS
 from minivllm.simulator.hardware import HARDWARE_CHOICES
 from minivllm.simulator.models import MODELS
@@ -30,34 +32,53 @@ def add_simulate_arguments(sim: argparse.ArgumentParser) -> None:
     d = sim.add_argument_group("deployment")
     d.add_argument("--hardware", default="h200", choices=HARDWARE_CHOICES)
     d.add_argument("--model", default="llama-3.1-8b", choices=list(MODELS))
-    d.add_argument("--tensor-parallel-size", type=int, default=1)
-    d.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    d.add_argument("--num-replicas", type=int, default=1)
+    d.add_argument("--tensor-parallel-size", type=arg_types.positive_int, default=1)
+    d.add_argument("--gpu-memory-utilization", type=arg_types.fraction, default=0.9)
+    d.add_argument("--num-replicas", type=arg_types.positive_int, default=1)
     d.add_argument("--router", default="round-robin", choices=ROUTERS)
     w = sim.add_argument_group("workload")
-    w.add_argument("--num-prompts", type=int, default=1000)
-    w.add_argument("--request-rate", type=float, default=math.inf, help="Poisson, requests/s")
+    w.add_argument("--num-prompts", type=arg_types.positive_int, default=1000)
+    w.add_argument(
+        "--request-rate", type=arg_types.rate, default=math.inf, help="Poisson, requests/s"
+    )
     w.add_argument(
         "--lengths", default="sharegpt", choices=list(CHAT_LENGTHS), help="length preset"
     )
-    w.add_argument("--prompt-len", default=None, help="override: N, uniform:LO:HI, lognormal:...")
-    w.add_argument("--output-len", default=None, help="override, like --prompt-len")
-    w.add_argument("--workload-seed", type=int, default=0)
+    w.add_argument(
+        "--prompt-len",
+        type=arg_types.length_distribution,
+        default=None,
+        help="override: N, uniform:LO:HI, lognormal:...",
+    )
+    w.add_argument(
+        "--output-len",
+        type=arg_types.length_distribution,
+        default=None,
+        help="override, like --prompt-len",
+    )
+    w.add_argument("--workload-seed", type=arg_types.non_negative_int, default=0)
     m = sim.add_argument_group("modes")
     m.add_argument(
         "--search-p99-ttft",
-        type=float,
+        type=arg_types.positive_float,
         default=None,
         metavar="SECONDS",
         help="find the fewest replicas whose P99 TTFT at --request-rate is within this",
     )
-    m.add_argument("--max-replicas", type=int, default=64, help="for --search-p99-ttft")
+    m.add_argument(
+        "--max-replicas", type=arg_types.positive_int, default=64, help="for --search-p99-ttft"
+    )
     m.add_argument(
         "--calibrate",
         action="store_true",
         help="run the real engine on SmolLM2 here and the simulator with this-cpu; compare",
     )
-    sim.add_argument("--policy", default="static,continuous", help="comma-separated policies")
+    sim.add_argument(
+        "--policy",
+        default="static,continuous",
+        type=arg_types.comma_list(SCHEDULING_POLICIES, "scheduling policy"),
+        help="comma-separated policies",
+    )
     # The engine's own flags, generated from EngineConfig, minus what a simulation has no
     # use for (--model here names a preset, not a checkpoint). Defaults: a GPU server's.
     from minivllm.config import EngineConfig
@@ -75,7 +96,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from minivllm.bench import report
     from minivllm.simulator.cluster import search_replicas, simulate
 
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    policies = args.policy
     workload = _workload(args)
     max_model_len = args.max_model_len or workload.max_request_len
     configs = [_engine_config(args, policy, max_model_len) for policy in policies]
@@ -124,7 +145,7 @@ def _search(args, configs, deployment, workload, search_replicas) -> int:
 def _calibrate(args) -> int:
     from minivllm.simulator.calibrate import calibrate, format_report
 
-    policies = tuple(p.strip() for p in args.policy.split(",") if p.strip())
+    policies = tuple(args.policy)
     print("running the real engine on SmolLM2, then the simulator (under a minute, idle)...")
     hardware, results = calibrate(policies)
     print(format_report(hardware, results))
@@ -132,20 +153,17 @@ def _calibrate(args) -> int:
 
 
 def _workload(args):
-    from minivllm.bench.workloads import LengthDistribution
     from minivllm.simulator.workloads import chat_workload
 
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
-    prompt_len = LengthDistribution.parse(args.prompt_len) if args.prompt_len else None
-    output_len = LengthDistribution.parse(args.output_len) if args.output_len else None
     return chat_workload(
         args.num_prompts,
         args.lengths,
         args.request_rate,
         args.workload_seed,
-        prompt_len,
-        output_len,
+        args.prompt_len,
+        args.output_len,
     )
 
 
