@@ -127,13 +127,14 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # [num_tokens, num_heads + 2 * num_kv_heads, head_dim]: query heads, key heads, values.
+        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+        qk, v = qkv[:, : -self.num_kv_heads], qkv[:, -self.num_kv_heads :]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        # Queries and keys turn by the same angles: one rotation for both.
+        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         key_cache, value_cache = kv_cache  # each [num_blocks, block_size, kv_heads, head_dim]
         write_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
         out = self.backend.forward(q.contiguous(), key_cache, value_cache, metadata, self.scale)
