@@ -50,7 +50,8 @@ class Linear(nn.Linear):
                 self.packed_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is None or x.dim() != 2:
+        packed = self.packed_weight is not None and x.dim() == 2
+        if not packed or x.dtype != torch.float32 or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), self.packed_weight, self.bias, "none", [], ""
