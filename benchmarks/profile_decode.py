@@ -1,12 +1,17 @@
 """Where each millisecond of a decode step goes, per batch size (torch.profiler).
 
     python benchmarks/profile_decode.py [--batches 1 4 16 32] [--attention-backend auto]
+    python benchmarks/profile_decode.py --numba-launch   # serial vs parallel numba kernel
 
 Builds the same decode steps as ``benchmarks/roofline.py`` (contexts uniform in 100-500,
 seed 0) and profiles a few of them. For each batch size it prints the step's wall time
 and the torch ops that took the most of it (self CPU time, summed over the profiled
 steps and divided by their number); the attention kernel shows up as
 ``attention_backend``. What the table does not cover is Python overhead between ops.
+
+``--numba-launch`` instead times the two builds of the numba-cpu kernel (serial and
+parallel) on one layer's attention of each decode batch: the numbers behind
+``SERIAL_WORK_LIMIT`` in ``kernels/numba_cpu.py``.
 """
 
 from __future__ import annotations
@@ -71,13 +76,54 @@ def profile_decode(model, batch: int, steps: int, top: int) -> None:
         )
 
 
+def time_numba_launch(batches: list[int], repeats: int = 200) -> None:
+    """Best-of-``repeats`` ms of the serial and the parallel numba kernel, SmolLM2 shapes."""
+    import random
+
+    import numba
+    import numpy as np
+    from minivllm_kernels.numba_cpu import paged_attention_kernel, paged_attention_kernel_serial
+
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    rng = random.Random(0)
+    contexts = [rng.randint(100, 500) for _ in range(max(batches))]
+    num_blocks = sum(-(-c // BLOCK_SIZE) for c in contexts) + 16
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    key_cache, value_cache = torch.randn(shape).numpy(), torch.randn(shape).numpy()
+    print(f"{'decode':<16} {'serial ms':>10} {'parallel ms':>12}  (best of {repeats})")
+    for batch in batches:
+        _, _, metadata = build_step([1] * batch, contexts[:batch], num_blocks)
+        query = torch.randn(batch, num_heads, head_dim).numpy()
+        output = np.empty_like(query)
+        common = (query, key_cache, value_cache, metadata.cu_seqlens_q.numpy(),
+                  metadata.context_lens.numpy(), metadata.block_tables.numpy(),
+                  np.float32(head_dim**-0.5), output)  # fmt: skip
+        serial = _best_ms(paged_attention_kernel_serial, common, repeats)
+        parallel = _best_ms(paged_attention_kernel, (*common, numba.get_num_threads()), repeats)
+        print(f"{batch:>3} sequences    {serial:10.3f} {parallel:12.3f}")
+
+
+def _best_ms(kernel, args: tuple, repeats: int) -> float:
+    kernel(*args)  # compile / warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kernel(*args)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--steps", type=int, default=3, help="profiled steps per batch size")
     parser.add_argument("--top", type=int, default=15, help="ops listed per batch size")
+    parser.add_argument("--numba-launch", action="store_true", help="see the module doc")
     args = parser.parse_args()
+    if args.numba_launch:
+        time_numba_launch(args.batches)
+        return
     model = load_smollm2(args.attention_backend)
     wrap_attention(model.layers[0].self_attn.backend)
     for batch in args.batches:

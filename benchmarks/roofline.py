@@ -1,6 +1,7 @@
 """Each kind of model step against this machine's limits (a roofline).
 
     python benchmarks/roofline.py [--attention-backend auto] [--plot docs/assets/roofline.png]
+                                  [--baseline] [--repeats 5]
 
 Measures, on the spot, the fp32 matmul peak (GFLOP/s) and how fast the machine reads
 memory (GB/s). Then it loads SmolLM2-135M and times model steps built directly (no
@@ -16,13 +17,19 @@ bytes it must at least move (every weight once, each sequence's keys and values 
 new keys and values written), and reports the time against
 ``limit = max(FLOPs / matmul peak, bytes / read bandwidth)``. The plot puts each step on
 the roofline: attainable GFLOP/s against arithmetic intensity (FLOPs per byte).
+
+``--baseline`` also times every step with the decode-speed work switched off where it can
+be (see `unoptimized`), the two taking turns step by step: on a machine shared with other
+work, ratios measured this way are the ones to compare.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +37,7 @@ import torch
 from minivllm.attention import AttentionMetadata, get_backend
 from minivllm.config import EngineConfig
 from minivllm.model_files import default_model_path
+from minivllm.models.linear import Linear
 from minivllm.models.llama import CausalLM, ModelConfig
 from minivllm.models.loader import load_model
 
@@ -108,19 +116,57 @@ def time_step(
     query_lens: list[int],
     context_lens: list[int],
     repeats: int,
-) -> float:
-    """Best seconds of forward + logits of each sequence's last row + argmax (the best,
-    not the median: on a shared machine the slow steps measure the other processes)."""
+    variants: list,
+) -> list[float]:
+    """Best seconds of forward + logits of each sequence's last row + argmax, for each of
+    ``variants`` (context managers that switch the model into a mode). The variants take
+    turns step by step, so a burst of load from other processes hits them alike; the best,
+    not the median: on a shared machine the slow steps measure the other processes."""
     input_ids, positions, metadata = build_step(query_lens, context_lens, kv_caches.shape[2])
     last_rows = (metadata.cu_seqlens_q[1:] - 1).long()
-    times = []
+    best = [float("inf")] * len(variants)
     with torch.inference_mode():
-        for _ in range(repeats + 2):  # two warm-up steps
-            start = time.perf_counter()
-            hidden = model(input_ids, positions, kv_caches, metadata)
-            model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()
-            times.append(time.perf_counter() - start)
-    return min(times[2:])
+        for repeat in range(repeats + 1):  # the first round warms up
+            for i, variant in enumerate(variants):
+                with variant():
+                    start = time.perf_counter()
+                    hidden = model(input_ids, positions, kv_caches, metadata)
+                    model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()
+                    seconds = time.perf_counter() - start
+                if repeat > 0:
+                    best[i] = min(best[i], seconds)
+    return best
+
+
+@contextmanager
+def as_is():
+    yield
+
+
+def unoptimized(model: CausalLM):
+    """A context manager running ``model`` as it was before the decode-speed work, where
+    that can be switched: F.linear on the row-major weights instead of the oneDNN-prepacked
+    copies, and numba-cpu's parallel kernel at every size (RMSNorm and RoPE stay new)."""
+
+    @contextmanager
+    def switched():
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        packed = [m.packed_weight for m in linears]
+        numba_cpu = sys.modules.get("minivllm_kernels.numba_cpu")
+        limit = numba_cpu.SERIAL_WORK_LIMIT if numba_cpu else None
+        for m in linears:
+            m.packed_weight = None
+        if numba_cpu:
+            numba_cpu.SERIAL_WORK_LIMIT = -1
+        try:
+            yield
+        finally:
+            for m, weight in zip(linears, packed):
+                m.packed_weight = weight
+            if numba_cpu:
+                numba_cpu.SERIAL_WORK_LIMIT = limit
+
+    return switched
 
 
 def step_flops(config: ModelConfig, query_lens: list[int], context_lens: list[int]) -> int:
@@ -144,7 +190,8 @@ def step_bytes(model: CausalLM, query_lens: list[int], context_lens: list[int]) 
     return weights + kv_per_token * (sum(context_lens) + sum(query_lens))
 
 
-def run_steps(model: CausalLM, repeats: int) -> list[StepResult]:
+def run_steps(model: CausalLM, repeats: int, variants: list) -> list[list[StepResult]]:
+    """One list of results per variant, each: prefill, then decode at each batch size."""
     config = model.config
     rng = random.Random(0)
     decode_contexts = [rng.randint(100, 500) for _ in range(max(DECODE_BATCHES))]
@@ -155,13 +202,13 @@ def run_steps(model: CausalLM, repeats: int) -> list[StepResult]:
     kv_caches = torch.zeros(
         config.num_layers, 2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim
     )
-    results = []
+    results = [[] for _ in variants]
     for name, query_lens, context_lens in cases:
-        seconds = time_step(model, kv_caches, query_lens, context_lens, repeats)
+        times = time_step(model, kv_caches, query_lens, context_lens, repeats, variants)
         flops = step_flops(config, query_lens, context_lens)
-        results.append(
-            StepResult(name, seconds, flops, step_bytes(model, query_lens, context_lens))
-        )
+        num_bytes = step_bytes(model, query_lens, context_lens)
+        for variant_results, seconds in zip(results, times):
+            variant_results.append(StepResult(name, seconds, flops, num_bytes))
     return results
 
 
@@ -180,7 +227,15 @@ def print_table(results: list[StepResult], peak: float, bandwidth: float) -> Non
         )
 
 
-def plot_roofline(results: list[StepResult], peak: float, bandwidth: float, path: str) -> None:
+def plot_roofline(
+    results: list[StepResult],
+    peak: float,
+    bandwidth: float,
+    path: str,
+    baseline: list[StepResult] | None = None,
+) -> None:
+    """Attainable GFLOP/s against FLOPs per byte; one point per step kind (hollow: the
+    unoptimized baseline of the same run, if measured)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -188,23 +243,25 @@ def plot_roofline(results: list[StepResult], peak: float, bandwidth: float, path
 
     intensities = [r.flops / r.num_bytes for r in results]
     low, high = min(intensities) / 2, max(intensities) * 4
-    ridge = peak / bandwidth
-    xs = sorted({low, ridge, high})
+    xs = sorted({low, peak / bandwidth, high})
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot(xs, [min(peak, bandwidth * x) / 1e9 for x in xs], color="black", label="roofline")
-    for r, x in zip(results, intensities):
-        ax.scatter(x, r.flops / r.seconds / 1e9, zorder=3)
-        ax.annotate(r.name, (x, r.flops / r.seconds / 1e9), textcoords="offset points",
-                    xytext=(5, -10), fontsize=8)  # fmt: skip
+    ax.plot(xs, [min(peak, bandwidth * x) / 1e9 for x in xs], color="black", label="limit")
+    for i, (r, x) in enumerate(zip(results, intensities)):
+        color = f"C{i}"
+        ax.scatter(x, r.flops / r.seconds / 1e9, color=color, zorder=3, label=r.name)
+        if baseline:
+            before = baseline[i].flops / baseline[i].seconds / 1e9
+            ax.scatter(x, before, facecolors="none", edgecolors=color, zorder=3)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP per byte moved)")
     ax.set_ylabel("GFLOP/s")
     ax.set_title(
         f"SmolLM2-135M fp32, {torch.get_num_threads()} threads: peak {peak / 1e9:.0f} GFLOP/s, "
-        f"read {bandwidth / 1e9:.1f} GB/s",
+        f"read {bandwidth / 1e9:.1f} GB/s" + ("; hollow: baseline" if baseline else ""),
         fontsize=9,
     )
+    ax.legend(fontsize=8, loc="lower right")
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -224,13 +281,20 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per case")
     parser.add_argument("--plot", help="write the roofline plot (PNG) here")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also time each step unoptimized (F.linear, always-parallel attention), "
+        "taking turns step by step with the optimized one",
+    )
     args = parser.parse_args()
 
     model = load_smollm2(args.attention_backend)
     # The limits are measured before and after the steps, keeping the best of each, so a
     # burst of load from other processes at one moment does not lower the roofline.
     peak, bandwidth = measure_matmul_peak(), measure_read_bandwidth()
-    results = run_steps(model, args.repeats)
+    variants = [as_is, unoptimized(model)] if args.baseline else [as_is]
+    results, *baseline = run_steps(model, args.repeats, variants)
     peak = max(peak, measure_matmul_peak())
     bandwidth = max(bandwidth, measure_read_bandwidth())
     backend_name = model.layers[0].self_attn.backend.name
@@ -239,8 +303,14 @@ def main() -> None:
         f"GFLOP/s, memory read {bandwidth / 1e9:.1f} GB/s; attention {backend_name}"
     )
     print_table(results, peak, bandwidth)
+    if baseline:
+        print("\nbaseline (same run, steps taking turns): F.linear, always-parallel attention")
+        print_table(baseline[0], peak, bandwidth)
+        print("\nspeed-up: " + ", ".join(
+            f"{new.name} {old.seconds / new.seconds:.2f}x" for new, old in zip(results, baseline[0])
+        ))  # fmt: skip
     if args.plot:
-        plot_roofline(results, peak, bandwidth, args.plot)
+        plot_roofline(results, peak, bandwidth, args.plot, baseline[0] if baseline else None)
 
 
 if __name__ == "__main__":
