@@ -4,7 +4,10 @@ Differences between the families are three switches in `ModelConfig`: a bias on 
 q/k/v projections (Qwen2), an RMSNorm on each head's queries and keys (Qwen3), and the
 head dimension. Unlike a Hugging Face model, this one sees no batch dimension and no
 padding: its input is the step's flattened tokens ``[num_tokens]`` with their positions,
-and attention goes through the paged KV cache via `AttentionMetadata`.
+and attention goes through the paged KV cache via `AttentionMetadata`. The projections are
+`Linear` layers (`minivllm/models/linear.py`): ``nn.Linear`` plus, on CPU, a copy of the
+weight prepacked for oneDNN's GEMM once the checkpoint is loaded, which keeps decode's
+few-row matmuls near memory speed.
 """
 
 from __future__ import annotations
