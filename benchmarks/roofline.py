@@ -1,7 +1,7 @@
 """Each kind of model step against this machine's limits (a roofline).
 
     python benchmarks/roofline.py [--attention-backend auto] [--plot docs/assets/roofline.png]
-                                  [--baseline] [--repeats 5]
+                                  [--baseline] [--repeats 5] [--threads N]
 
 Measures, on the spot, the fp32 matmul peak (GFLOP/s) and how fast the machine reads
 memory (GB/s). Then it loads SmolLM2-135M and times model steps built directly (no
@@ -282,6 +282,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per case")
     parser.add_argument("--plot", help="write the roofline plot (PNG) here")
     parser.add_argument(
+        "--threads", type=int, help="torch threads (default: torch's); the limits use the same"
+    )
+    parser.add_argument(
         "--baseline",
         action="store_true",
         help="also time each step unoptimized (F.linear, always-parallel attention), "
@@ -289,6 +292,8 @@ def main() -> None:
     )
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = load_smollm2(args.attention_backend)
     # The limits are measured before and after the steps, keeping the best of each, so a
     # burst of load from other processes at one moment does not lower the roofline.
