@@ -2,6 +2,7 @@
 
     python benchmarks/profile_decode.py [--batches 1 4 16 32] [--attention-backend auto]
     python benchmarks/profile_decode.py --numba-launch   # serial vs parallel numba kernel
+    python benchmarks/profile_decode.py --gemm           # F.linear vs oneDNN-prepacked
 
 Builds the same decode steps as ``benchmarks/roofline.py`` (contexts uniform in 100-500,
 seed 0) and profiles a few of them. For each batch size it prints the step's wall time
@@ -11,7 +12,9 @@ steps and divided by their number); the attention kernel shows up as
 
 ``--numba-launch`` instead times the two builds of the numba-cpu kernel (serial and
 parallel) on one layer's attention of each decode batch: the numbers behind
-``SERIAL_WORK_LIMIT`` in ``kernels/numba_cpu.py``.
+``SERIAL_WORK_LIMIT`` in ``kernels/numba_cpu.py``. ``--gemm`` times each of SmolLM2's
+weight shapes with as many rows as sequences: ``F.linear`` on the row-major weight against
+the oneDNN-prepacked weight `minivllm.models.linear.Linear` uses.
 """
 
 from __future__ import annotations
@@ -103,6 +106,30 @@ def time_numba_launch(batches: list[int], repeats: int = 200) -> None:
         print(f"{batch:>3} sequences    {serial:10.3f} {parallel:12.3f}")
 
 
+def time_gemms(batches: list[int], repeats: int = 30) -> None:
+    """Best-of-``repeats`` ms and GB/s (weight bytes / time) of each projection shape."""
+    import torch.nn.functional as F
+
+    shapes = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576),
+              "down_proj": (576, 1536), "lm_head": (49152, 576)}  # fmt: skip
+    print(
+        f"{'weight':<14} {'rows':>4} {'F.linear ms':>12} {'GB/s':>6} "
+        f"{'prepacked ms':>13} {'GB/s':>6}"
+    )
+    for name, (out_features, in_features) in shapes.items():
+        weight = torch.randn(out_features, in_features)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        for rows in batches:
+            x = torch.randn(rows, in_features)
+            plain = _best_ms(F.linear, (x, weight), repeats)
+            prepacked = _best_ms(
+                torch.ops.mkldnn._linear_pointwise, (x, packed, None, "none", [], ""), repeats
+            )
+            gigabytes = weight.numel() * 4 / 1e9
+            print(f"{name:<14} {rows:>4} {plain:12.3f} {gigabytes / plain * 1e3:6.1f} "
+                  f"{prepacked:13.3f} {gigabytes / prepacked * 1e3:6.1f}")  # fmt: skip
+
+
 def _best_ms(kernel, args: tuple, repeats: int) -> float:
     kernel(*args)  # compile / warm up
     best = float("inf")
@@ -120,7 +147,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="profiled steps per batch size")
     parser.add_argument("--top", type=int, default=15, help="ops listed per batch size")
     parser.add_argument("--numba-launch", action="store_true", help="see the module doc")
+    parser.add_argument("--gemm", action="store_true", help="see the module doc")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.gemm:
+        time_gemms(args.batches)
+        return
     if args.numba_launch:
         time_numba_launch(args.batches)
         return
