@@ -36,10 +36,10 @@ import torch
 
 from minivllm.attention import AttentionMetadata, get_backend
 from minivllm.config import EngineConfig
-from minivllm.model_files import default_model_path
 from minivllm.models.linear import Linear
 from minivllm.models.llama import CausalLM, ModelConfig
 from minivllm.models.loader import load_model
+from minivllm.models.model_files import default_model_path
 
 BLOCK_SIZE = 16
 PREFILL_PROMPTS = (200, 180, 132)  # 512 tokens: the engine's default token budget

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,19 +29,35 @@ class EngineConfig:
     limit, capped by what the cache can hold.
     """
 
-    model: str | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    attention_backend: str = "auto"
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
+    model: str | None = field(
+        default=None, metadata={"help": "local HF checkpoint (default: the bundled SmolLM2)"}
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    num_kv_blocks: int | None = field(
+        default=None, metadata={"help": "KV blocks (default: from --kv-cache-memory-bytes)"}
+    )
+    kv_cache_memory_bytes: int = field(
+        default=DEFAULT_KV_CACHE_BYTES, metadata={"help": "memory for the KV cache"}
+    )
+    max_num_seqs: int = field(default=64, metadata={"help": "most requests in one step"})
+    max_num_batched_tokens: int = field(
+        default=512, metadata={"help": "token budget of one step (chunked prefill)"}
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "longest prompt + output (default: model's limit)"}
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata={"help": "auto: numba-cpu on CPU when numba is installed, else torch"},
+    )
+    dtype: str = field(default="auto", metadata={"choices": ("auto", *DTYPES)})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
+    seed: int = field(default=0, metadata={"help": "seeds requests that bring no seed"})
     enable_prefix_caching: bool = False
-    scheduling_policy: str = "continuous"
+    scheduling_policy: str = field(
+        default="continuous",
+        metadata={"choices": SCHEDULING_POLICIES, "aliases": ("--policy",)},
+    )
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -106,3 +124,34 @@ class EngineConfig:
         if on_cpu_fp32 and importlib.util.find_spec("numba") is not None:
             return "numba-cpu"
         return "torch"
+
+    # --- the command line (vLLM's EngineArgs.add_cli_args / from_cli_args) --------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+        """One ``--flag`` per field, with its default and help from the field itself."""
+        from minivllm.attention import available_backends
+
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            if f.name in exclude:
+                continue
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+            options = {"default": f.default, "help": f.metadata.get("help")}
+            if f.type == "bool":
+                options["action"] = argparse.BooleanOptionalAction
+            else:
+                options["type"] = int if f.type.startswith("int") else str
+            if f.name == "attention_backend":
+                options["choices"] = ("auto", *available_backends())
+            elif "choices" in f.metadata:
+                options["choices"] = f.metadata["choices"]
+            group.add_argument(*flags, dest=f.name, **options)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides) -> EngineConfig:
+        """The config the parsed flags describe, with ``overrides`` on top."""
+        values = {
+            f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
+        }
+        return cls(**(values | overrides))

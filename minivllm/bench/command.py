@@ -13,6 +13,12 @@ from minivllm.bench.workloads import LengthDistribution, Workload
 
 
 def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument(
+        "--policy",
+        "--scheduling-policy",
+        default="static,continuous",
+        help="scheduling policies to compare, comma-separated: continuous, static",
+    )
     w = bench.add_argument_group("workload")
     w.add_argument(
         "--workload", choices=["synthetic", "shared-prefix", "file"], default="synthetic"
@@ -32,6 +38,20 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     r = bench.add_argument_group("arrivals (default: offline, everything at t=0)")
     r.add_argument("--request-rate", type=float, default=math.inf, help="Poisson, requests/s")
     r.add_argument("--max-concurrency", type=int, default=None)
+    h = bench.add_argument_group("a running server instead (like `vllm bench serve`)")
+    h.add_argument(
+        "--base-url",
+        default=None,
+        metavar="URL",
+        help="send the workload over HTTP to an OpenAI-compatible server (minivllm serve, "
+        "vllm serve) at URL, e.g. http://127.0.0.1:8000; latencies are measured client-side "
+        "from the stream. The engine options then only pick the tokenizer (--model)",
+    )
+    h.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the `model` to ask for (default: the first one the server lists)",
+    )
     o = bench.add_argument_group("output")
     o.add_argument("--compare-hf", action="store_true", help="add transformers baseline rows")
     o.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
@@ -50,8 +70,8 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from minivllm.bench import report
+    from minivllm.bench.metrics import measure_matmul_peak
     from minivllm.bench.runner import run_engine
-    from minivllm.metrics import measure_matmul_peak
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -60,6 +80,8 @@ def run_bench(args: argparse.Namespace) -> int:
         _engine_config(args, policy)  # a bad option or policy name fails before any work
     model_path = args.model or _default_model()
     workload = build_workload(args, *_tokenizer_and_vocab_size(model_path))
+    if args.base_url:
+        return _run_over_http(args, workload, model_path)
     # Unless told otherwise, what a well-configured static server reserves per request:
     # room for the workload's longest request, not the model's whole context.
     max_model_len = args.max_model_len or workload.max_request_len
@@ -97,6 +119,36 @@ def run_bench(args: argparse.Namespace) -> int:
         from minivllm.bench.plots import write_all
 
         paths = write_all(runs, args.plot)
+        print("plots: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _run_over_http(args: argparse.Namespace, workload: Workload, model_path) -> int:
+    """``--base-url``: the workload through a running server, timed from its streams."""
+    from minivllm.bench import report
+    from minivllm.bench.http_client import run_http
+
+    print(workload.describe(), file=sys.stderr)
+    run = run_http(
+        args.base_url,
+        workload,
+        args.max_concurrency,
+        progress=not args.no_progress,
+        model=args.served_model_name,
+        name="HTTP",
+    )
+    _add_model_flops([run], model_path)
+    context = _context(args, None, workload, None, None)
+    print()
+    print(context["title"])
+    print(report.format_table([run]))
+    if args.json:
+        report.write_json(args.json, [run], context)
+        print(f"\nJSON: {args.json}")
+    if args.plot:
+        from minivllm.bench.plots import write_all
+
+        paths = write_all([run], args.plot)
         print("plots: " + ", ".join(str(p) for p in paths))
     return 0
 
@@ -141,12 +193,12 @@ def build_workload(args: argparse.Namespace, tokenizer, vocab_size: int) -> Work
 
 
 def _engine_config(args: argparse.Namespace, policy: str, max_model_len: int | None = None):
-    from minivllm.cli import engine_config_from_args
+    from minivllm.config import EngineConfig
 
-    overrides = {"policy": policy}
+    overrides = {"scheduling_policy": policy}
     if max_model_len is not None:
         overrides["max_model_len"] = max_model_len
-    return engine_config_from_args(argparse.Namespace(**{**vars(args), **overrides}))
+    return EngineConfig.from_cli_args(args, **overrides)
 
 
 def _tokenizer_and_vocab_size(model_path):
@@ -178,7 +230,7 @@ def _hf_runs(args, config, model_path, workload: Workload, num_kv_blocks, progre
 
 
 def _default_model() -> str:
-    from minivllm.model_files import default_model_path
+    from minivllm.models.model_files import default_model_path
 
     return str(default_model_path())
 
@@ -193,6 +245,14 @@ def _context(args, config, workload: Workload, max_model_len: int, num_kv_blocks
         mode += f", max concurrency {args.max_concurrency}"
     import torch
 
+    if config is None:  # --base-url: the server's configuration is its own
+        title = f"server {args.base_url} over HTTP\n{workload.describe()} | {mode}"
+        return {
+            "title": title,
+            "command": "minivllm " + shlex.join(sys.argv[1:]) if sys.argv else None,
+            "base_url": args.base_url,
+            "workload": _workload_json(args, workload, mode),
+        }
     model = config.model or "SmolLM2-135M-Instruct"
     title = (
         f"{model} | {config.torch_dtype} on {config.torch_device}, "
@@ -211,14 +271,18 @@ def _context(args, config, workload: Workload, max_model_len: int, num_kv_blocks
         "title": title,
         "command": "minivllm " + shlex.join(sys.argv[1:]) if sys.argv else None,
         "engine_config": engine_config,
-        "workload": {
-            "description": workload.describe(),
-            "num_requests": len(workload.requests),
-            "num_prompt_tokens": workload.num_prompt_tokens,
-            "num_output_tokens": workload.num_output_tokens,
-            "mode": mode,
-            "request_rate": args.request_rate if math.isfinite(args.request_rate) else None,
-            "max_concurrency": args.max_concurrency,
-        },
+        "workload": _workload_json(args, workload, mode),
         "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _workload_json(args, workload: Workload, mode: str) -> dict:
+    return {
+        "description": workload.describe(),
+        "num_requests": len(workload.requests),
+        "num_prompt_tokens": workload.num_prompt_tokens,
+        "num_output_tokens": workload.num_output_tokens,
+        "mode": mode,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else None,
+        "max_concurrency": args.max_concurrency,
     }

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from minivllm.bench.metrics import RequestResult, RunSummary, summarize
 from minivllm.bench.workloads import BenchRequest, Workload
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
-from minivllm.metrics import RequestResult, RunSummary, StepStats, summarize
+from minivllm.metrics import StepStats
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 

@@ -1,0 +1,94 @@
+"""From sampled token ids to what the user sees (vLLM's ``OutputProcessor``).
+
+Appends each request's new tokens, decodes them, decides whether the request stops (EOS,
+a stop token id or stop string, ``max_tokens``, ``max_model_len``) and builds the
+`RequestOutput` its ``output_kind`` asks for. The engine then tells the scheduler which
+requests finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minivllm.detokenizer import Detokenizer
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import RequestOutputKind
+from minivllm.sequence import FinishReason, Sequence
+
+
+@dataclass
+class StopDecision:
+    reason: FinishReason
+    stop_reason: str | int | None = None  # the stop string or stop token id that fired
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.detokenizers: dict[str, Detokenizer] = {}
+
+    def add_request(self, seq: Sequence) -> None:
+        self.detokenizers[seq.request_id] = Detokenizer(self.tokenizer, seq.sampling_params)
+
+    def abort_request(self, request_id: str) -> None:
+        self.detokenizers.pop(request_id, None)
+
+    def append_tokens(self, seq: Sequence, token_ids: list[int], now: float) -> StopDecision | None:
+        """Add the step's new tokens one at a time; the first stop ends the request and
+        drops any tokens after it."""
+        for token in token_ids:
+            seq.append_token(token, now)
+            stop = self._check_stop(seq)
+            if stop is not None:
+                return stop
+        return None
+
+    def _check_stop(self, seq: Sequence) -> StopDecision | None:
+        params = seq.sampling_params
+        token = seq.token_ids[-1]
+        stop_string = self.detokenizers[seq.request_id].update(seq.output_token_ids)
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return StopDecision(FinishReason.STOP)
+            if token in params.stop_token_ids:
+                return StopDecision(FinishReason.STOP, token)
+            if stop_string is not None:
+                return StopDecision(FinishReason.STOP, stop_string)
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return StopDecision(FinishReason.LENGTH)
+        if seq.num_tokens >= self.max_model_len:
+            return StopDecision(FinishReason.LENGTH)
+        return None
+
+    def make_output(self, seq: Sequence) -> RequestOutput | None:
+        """What to report for ``seq`` after this step (None: nothing, for FINAL_ONLY until
+        the end). A finished request's state is dropped here."""
+        kind = seq.sampling_params.output_kind
+        finished = seq.is_finished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        detokenizer = self.detokenizers[seq.request_id]
+        if finished:
+            del self.detokenizers[seq.request_id]
+        if kind is RequestOutputKind.DELTA:
+            text, token_ids = detokenizer.take_delta(seq.output_token_ids, finished)
+        else:
+            text, token_ids = detokenizer.stable_text(finished), seq.output_token_ids
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=seq.metrics,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
