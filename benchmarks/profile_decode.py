@@ -3,6 +3,7 @@
     python benchmarks/profile_decode.py [--batches 1 4 16 32] [--attention-backend auto]
     python benchmarks/profile_decode.py --numba-launch   # serial vs parallel numba kernel
     python benchmarks/profile_decode.py --gemm           # F.linear vs oneDNN-prepacked
+    python benchmarks/profile_decode.py --engine         # LLM.generate, both ways in turn
 
 Builds the same decode steps as ``benchmarks/roofline.py`` (contexts uniform in 100-500,
 seed 0) and profiles a few of them. For each batch size it prints the step's wall time
@@ -14,7 +15,9 @@ steps and divided by their number); the attention kernel shows up as
 parallel) on one layer's attention of each decode batch: the numbers behind
 ``SERIAL_WORK_LIMIT`` in ``kernels/numba_cpu.py``. ``--gemm`` times each of SmolLM2's
 weight shapes with as many rows as sequences: ``F.linear`` on the row-major weight against
-the oneDNN-prepacked weight `minivllm.models.linear.Linear` uses.
+the oneDNN-prepacked weight `minivllm.models.linear.Linear` uses. ``--engine`` runs
+`LLM.generate` on 16 seeded prompts (16-300 tokens, 24 greedy output tokens each), in turn
+as is and with roofline.py's `unoptimized` switches, twice each, in one process.
 """
 
 from __future__ import annotations
@@ -130,6 +133,37 @@ def time_gemms(batches: list[int], repeats: int = 30) -> None:
                   f"{prepacked:13.3f} {gigabytes / prepacked * 1e3:6.1f}")  # fmt: skip
 
 
+def time_engine(rounds: int = 2) -> None:
+    """Seconds of the same greedy generate, optimized and baseline taking turns."""
+    import random
+
+    from roofline import as_is, unoptimized
+
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM()
+    model = llm.llm_engine.executor.model
+    rng = random.Random(0)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(rng.randint(16, 300))]}
+        for _ in range(16)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for _ in range(rounds):
+        for name, variant in (("optimized", as_is), ("baseline", unoptimized(model))):
+            with variant():
+                start = time.perf_counter()
+                result = llm.generate(prompts, params, use_tqdm=False)
+                seconds = time.perf_counter() - start
+            tokens = [o.outputs[0].token_ids for o in result]
+            outputs.setdefault(name, tokens)
+            num_tokens = sum(len(t) for t in tokens)
+            print(f"{name:<10} {seconds:6.1f} s  {num_tokens / seconds:6.1f} output tok/s")
+    same = outputs["optimized"] == outputs["baseline"]
+    print(f"greedy tokens identical both ways: {same}")
+
+
 def _best_ms(kernel, args: tuple, repeats: int) -> float:
     kernel(*args)  # compile / warm up
     best = float("inf")
@@ -148,12 +182,16 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15, help="ops listed per batch size")
     parser.add_argument("--numba-launch", action="store_true", help="see the module doc")
     parser.add_argument("--gemm", action="store_true", help="see the module doc")
+    parser.add_argument("--engine", action="store_true", help="see the module doc")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.gemm:
         time_gemms(args.batches)
+        return
+    if args.engine:
+        time_engine()
         return
     if args.numba_launch:
         time_numba_launch(args.batches)
