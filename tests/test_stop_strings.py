@@ -77,7 +77,7 @@ def reference(token_ids, stops, min_tokens, include_stop):
             if start != -1:
                 matches.append((start + len(stop) if include_stop else start, stop))
         if matches:
-            cut, stop = min(matches)
+            cut, stop = min(matches, key=lambda m: m[0])  # a tie goes to the first listed
             return text[:cut], stop, k
     return decode(token_ids), None, len(token_ids)
 
