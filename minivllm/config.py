@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minivllm import arg_types
+from minivllm.sampling_params import SEED_RANGE
+from minivllm.utils import as_int
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # With no explicit num_kv_blocks, the cache gets this many bytes: 1 GiB holds ~23k tokens of
@@ -119,7 +123,9 @@ class EngineConfig:
     )
     dtype: str = field(default="auto", metadata={"choices": ("auto", *DTYPES)})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
-    seed: int = field(default=0, metadata={"help": "seeds requests that bring no seed"})
+    seed: int = field(
+        default=0, metadata={"help": "seeds requests that bring no seed", "type": arg_types.seed}
+    )
     enable_prefix_caching: bool = False
     scheduling_policy: str = field(
         default="continuous",
@@ -135,14 +141,17 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes")
+        for name in positive:
+            if not _is_positive_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         for name in ("num_kv_blocks", "max_model_len"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and not _is_positive_int(value):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        self.seed = as_int("seed", self.seed)
+        if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, {', '.join(DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -210,7 +219,8 @@ class EngineConfig:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-        """One ``--flag`` per field, with its default and help from the field itself."""
+        """One ``--flag`` per field, with its default and help from the field itself. Int
+        flags take positive ints (the seed: any 64-bit int)."""
         from minivllm.attention import available_backends
 
         group = parser.add_argument_group("engine")
@@ -224,7 +234,7 @@ class EngineConfig:
             elif "type" in f.metadata:
                 options["type"] = f.metadata["type"]
             else:
-                options["type"] = int if f.type.startswith("int") else str
+                options["type"] = arg_types.positive_int if f.type.startswith("int") else str
             if f.name == "attention_backend":
                 options["choices"] = ("auto", *available_backends())
             elif "choices" in f.metadata:
@@ -238,3 +248,7 @@ class EngineConfig:
             f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
         }
         return cls(**(values | overrides))
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -104,10 +104,12 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> bool | list[bool]:
         """Stop requests in any state and free their blocks at once.
 
-        Returns True per request that was in flight, False for an unknown or finished id
-        (a no-op, as in vLLM)."""
-        if not isinstance(request_id, str):
+        One id (anything `add_request` took: it goes through ``str`` the same way) or an
+        iterable of ids. Returns True per request that was in flight, False for an unknown
+        or finished id (a no-op, as in vLLM)."""
+        if not isinstance(request_id, str) and isinstance(request_id, Iterable):
             return [self.abort_request(r) for r in request_id]
+        request_id = str(request_id)
         if request_id not in self.scheduler.requests:
             return False
         self.scheduler.finish_requests(request_id, FinishReason.ABORT)

@@ -62,8 +62,9 @@ class UniProcExecutor:
         )
         self.max_model_len = resolve_max_model_len(config, self.model_config, self.num_kv_blocks)
         self.model_runner = ModelRunner(
-            self.model, self.num_kv_blocks, config.block_size, dtype, self.device
-        )
+            self.model, self.num_kv_blocks, config.block_size, dtype, self.device,
+            self.eos_token_ids,
+        )  # fmt: skip
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -13,7 +13,7 @@ import torch
 
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
-from minivllm.utils import cdiv
+from minivllm.utils import as_int, cdiv
 
 Prompt = str | dict  # text, or {"prompt_token_ids": [...]} like vLLM's TokensPrompt
 
@@ -59,15 +59,30 @@ class InputProcessor:
                 raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt.get("prompt"), self._as_token_ids(prompt["prompt_token_ids"])
         raise ValueError(
             f"a prompt must be a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
         )
 
+    @staticmethod
+    def _as_token_ids(token_ids) -> list[int]:
+        """Plain ints from a list, array or tensor of Python, numpy or torch integers."""
+        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+            raise ValueError(f"prompt_token_ids must be a list of ints, got {token_ids!r}")
+        ids, bad = [], []
+        for token in token_ids:
+            try:
+                ids.append(as_int("a prompt token id", token))
+            except ValueError:
+                bad.append(token)
+        if bad:
+            raise ValueError(f"prompt token ids must be ints, got {bad[:5]}")
+        return ids
+
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("prompt is empty (0 tokens)")
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"

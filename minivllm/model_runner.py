@@ -29,6 +29,7 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -42,7 +43,7 @@ class ModelRunner:
             config.num_layers, 2, num_kv_blocks, block_size, config.num_kv_heads, config.head_dim,
             dtype=dtype, device=device,
         )  # fmt: skip
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids)  # masks EOS before min_tokens
         self.rejection_sampler = RejectionSampler()
 
     def prepare_inputs(

@@ -3,7 +3,9 @@
 Appends each request's new tokens, decodes them, decides whether the request stops (EOS,
 a stop token id or stop string, ``max_tokens``, ``max_model_len``) and builds the
 `RequestOutput` its ``output_kind`` asks for. The engine then tells the scheduler which
-requests finished.
+requests finished. This is the one place stops are decided: the engine, the CLI and any
+server see the same text. (The sampler's part: EOS and stop ids are masked before
+``min_tokens``, see sampler.py.)
 """
 
 from __future__ import annotations
@@ -46,36 +48,56 @@ class OutputProcessor:
         return None
 
     def _check_stop(self, seq: Sequence) -> StopDecision | None:
+        """vLLM's order: nothing stops a request before ``min_tokens`` but a length limit;
+        from there, EOS or a stop token id, else a stop string in the new text."""
+        detokenizer = self.detokenizers[seq.request_id]
+        stop = self._check_stop_token(seq)
+        stop_string = detokenizer.update(seq.token_ids[-1], stopped_by_token=stop is not None)
+        if stop is None and stop_string is None and self._reached_length(seq):
+            stop = StopDecision(FinishReason.LENGTH)
+        if stop is not None:
+            # The text an unfinished last character held back comes out now: it may
+            # complete a stop string too.
+            stop_string = detokenizer.finish()
+        if stop_string is not None:
+            return StopDecision(FinishReason.STOP, stop_string)
+        return stop
+
+    def _reached_length(self, seq: Sequence) -> bool:
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None and seq.num_output_tokens >= max_tokens:
+            return True
+        return seq.num_tokens >= self.max_model_len
+
+    def _check_stop_token(self, seq: Sequence) -> StopDecision | None:
         params = seq.sampling_params
+        if seq.num_output_tokens < params.min_tokens:
+            return None
         token = seq.token_ids[-1]
-        stop_string = self.detokenizers[seq.request_id].update(seq.output_token_ids)
-        if seq.num_output_tokens >= params.min_tokens:
-            if token in self.eos_token_ids and not params.ignore_eos:
-                return StopDecision(FinishReason.STOP)
-            if token in params.stop_token_ids:
-                return StopDecision(FinishReason.STOP, token)
-            if stop_string is not None:
-                return StopDecision(FinishReason.STOP, stop_string)
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return StopDecision(FinishReason.LENGTH)
-        if seq.num_tokens >= self.max_model_len:
-            return StopDecision(FinishReason.LENGTH)
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return StopDecision(FinishReason.STOP)
+        if token in params.stop_token_ids:
+            return StopDecision(FinishReason.STOP, token)
         return None
 
     def make_output(self, seq: Sequence) -> RequestOutput | None:
         """What to report for ``seq`` after this step (None: nothing, for FINAL_ONLY until
-        the end). A finished request's state is dropped here."""
+        the end, and for DELTA after a step that gave it no token, e.g. a prefill chunk).
+        A finished request's state is dropped here."""
         kind = seq.sampling_params.output_kind
         finished = seq.is_finished
+        detokenizer = self.detokenizers[seq.request_id]
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        detokenizer = self.detokenizers[seq.request_id]
+        nothing_new = not detokenizer.has_unstreamed_tokens(seq.output_token_ids)
+        if kind is RequestOutputKind.DELTA and not finished and nothing_new:
+            return None
         if finished:
             del self.detokenizers[seq.request_id]
         if kind is RequestOutputKind.DELTA:
             text, token_ids = detokenizer.take_delta(seq.output_token_ids, finished)
         else:
-            text, token_ids = detokenizer.stable_text(finished), seq.output_token_ids
+            text, token_ids = detokenizer.text_to_show(finished), seq.output_token_ids
         completion = CompletionOutput(
             index=0,
             text=text,

@@ -21,7 +21,8 @@ class ScheduledChunk:
     Row ``i`` is the token at position ``start_position + i``; its key and value go to
     that position's slot in ``block_table``, and it attends to every earlier position.
     ``sample``: a token is sampled from the last row's logits (so ``sampling_params`` and
-    ``generator`` are the request's); False for a prompt chunk that stops mid-prompt.
+    ``generator`` are the request's, and ``num_output_tokens`` how many it has so far, for
+    ``min_tokens``); False for a prompt chunk that stops mid-prompt.
     Speculative decoding: the last ``num_draft_tokens`` rows are draft tokens, guesses not
     yet known to be right; then the last ``1 + num_draft_tokens`` rows are all sampled
     and verified against the drafts (spec_decode/rejection_sampler.py)."""
@@ -33,6 +34,7 @@ class ScheduledChunk:
     sample: bool
     sampling_params: SamplingParams | None = None
     generator: object | None = None  # torch.Generator of a request that samples randomly
+    num_output_tokens: int = 0
     num_draft_tokens: int = 0
 
     @property
@@ -74,6 +76,7 @@ class SchedulerOutput:
             sample=samples,
             sampling_params=seq.sampling_params,
             generator=seq.generator,
+            num_output_tokens=seq.num_output_tokens,
         )
         self.chunks.append(chunk)
         self.scheduled_seqs.append(seq)

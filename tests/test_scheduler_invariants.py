@@ -144,15 +144,22 @@ class EngineUnderTest:
         self.finished: list[Sequence] = []
         self.last_hits: list[Sequence] = []  # admitted by the last step with a prefix hit
 
-    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> Sequence:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    def add(
+        self, request_id, prompt: list[int], max_tokens: int, min_tokens=0, stop_token_ids=()
+    ) -> Sequence:
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=max_tokens,
+            min_tokens=min(min_tokens, max_tokens),
+            stop_token_ids=list(stop_token_ids),
+        )
         self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-        seq = self.requests[request_id]
+        seq = self.requests[str(request_id)]
         self.arrival_order[seq] = len(self.arrival_order)
         return seq
 
-    def abort(self, request_id: str) -> bool:
-        seq = self.requests.get(request_id)
+    def abort(self, request_id) -> bool:
+        seq = self.requests.get(str(request_id))
         if not self.engine.abort_request(request_id):
             return False
         self.finished.append(seq)
@@ -167,6 +174,8 @@ class EngineUnderTest:
         ]
         done = [s for s in scheduled.scheduled_seqs if s.is_finished]
         assert [o.request_id for o in outputs if o.finished] == [s.request_id for s in done]
+        for seq in done:
+            check_stop_rules(seq, self.max_model_len)
         self.finished += done
         return scheduled
 
@@ -228,6 +237,24 @@ def check_sequences(engine: EngineUnderTest) -> None:
     assert arrivals == sorted(arrivals), "a request overtook an earlier one"
 
 
+def check_stop_rules(seq: Sequence, max_model_len: int) -> None:
+    """A request stops at its first EOS or stop token id from ``min_tokens`` on, and
+    otherwise runs to its length limit. (The fake model samples EOS whenever it likes: the
+    output processor alone must hold it back before ``min_tokens``.)"""
+    params, output = seq.sampling_params, seq.output_token_ids
+    stops = {EOS, *params.stop_token_ids}
+    first_stop = next(
+        (i for i, t in enumerate(output) if t in stops and i + 1 >= params.min_tokens), None
+    )
+    if seq.finish_reason is FinishReason.STOP:
+        assert first_stop == len(output) - 1
+        assert seq.stop_reason == (None if output[-1] == EOS else output[-1])
+    else:
+        assert seq.finish_reason is FinishReason.LENGTH
+        assert first_stop is None
+        assert len(output) == params.max_tokens or seq.num_tokens >= max_model_len
+
+
 def check_step(engine: EngineUnderTest, scheduled: SchedulerOutput) -> None:
     scheduler = engine.scheduler
     assert scheduled.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
@@ -238,12 +265,27 @@ def check_step(engine: EngineUnderTest, scheduled: SchedulerOutput) -> None:
     assert not set(scheduled.scheduled_seqs) & set(scheduled.preempted)
 
 
-# One request: (which shared prefix or None, how much of it, random suffix length, max_tokens).
+# One request: (which shared prefix or None, how much of it, random suffix length,
+# max_tokens, min_tokens, stop token ids).
 REQUEST = st.tuples(
     st.sampled_from([None, 0, 1]),
     st.sampled_from([0, 3, 8, 13, 20]),
     st.integers(0, 12),
     st.integers(1, 16),
+    st.sampled_from([0, 0, 2, 5]),
+    st.sampled_from([(), (), (1,), (2, 3)]),
+)
+# Requests the engine must refuse, leaving everything as it was.
+BAD_REQUEST = st.sampled_from(
+    [
+        ({"prompt_token_ids": [1, True]}, {}),
+        ({"prompt_token_ids": [1, 2.5]}, {}),
+        ({"prompt_token_ids": []}, {}),
+        ({"prompt_token_ids": [1]}, {"top_k": True}),
+        ({"prompt_token_ids": [1]}, {"max_tokens": 2.5}),
+        ({"prompt_token_ids": [1]}, {"seed": 2**64, "temperature": 1.0}),
+        ({"prompt_token_ids": [1]}, {"stop_token_ids": [False]}),
+    ]
 )
 
 
@@ -282,19 +324,30 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(requests=st.lists(REQUEST, min_size=1, max_size=4))
     def add_requests(self, requests):
-        for shared_prefix, prefix_len, suffix_len, max_tokens in requests:
+        for shared_prefix, prefix_len, suffix_len, max_tokens, min_tokens, stops in requests:
             prefix = [] if shared_prefix is None else self.shared_prefixes[shared_prefix]
             prompt = prefix[:prefix_len] + [self.rng.randrange(VOCAB) for _ in range(suffix_len)]
             # What the input processor accepts: 1 .. max_model_len tokens.
             prompt = (prompt or [1])[: self.engine.max_model_len]
-            self.engine.add(f"r{self.num_added}", prompt, max_tokens)
+            # Ids are ints: the engine keeps them as str, and abort takes either.
+            self.engine.add(self.num_added, prompt, max_tokens, min_tokens, stops)
             self.num_added += 1
+
+    @rule(bad=BAD_REQUEST)
+    def add_bad_request(self, bad):
+        prompt, kwargs = bad
+        engine = self.engine.engine
+        before = (set(self.engine.requests), self.engine.kv_cache_manager.num_free_blocks)
+        with pytest.raises(ValueError):
+            engine.add_request("bad", prompt, SamplingParams(**kwargs))
+        assert (set(self.engine.requests), self.engine.kv_cache_manager.num_free_blocks) == before
 
     @precondition(lambda self: self.engine.requests)
     @rule(data=st.data())
     def abort_request(self, data):
         request_id = data.draw(st.sampled_from(sorted(self.engine.requests)))
         seq = self.engine.requests[request_id]
+        request_id = data.draw(st.sampled_from([request_id, int(request_id)]))
         allocator = self.engine.kv_cache_manager.allocator
         num_private = sum(allocator.ref_counts[b] == 1 for b in seq.block_table)
         num_free = allocator.num_free_blocks

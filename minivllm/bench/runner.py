@@ -59,6 +59,8 @@ def run_engine(
 ) -> BenchRun:
     """Run ``workload`` on a fresh engine built from ``config`` (or on ``engine``) after a
     short warm-up, and measure it."""
+    if max_concurrency is not None and max_concurrency < 1:  # would never send a request
+        raise ValueError(f"max_concurrency must be a positive int or None, got {max_concurrency}")
     engine = engine or LLMEngine(config)
     _warm_up(engine, workload)
     spec_before = copy.deepcopy(engine.spec_decoding_stats)
