@@ -408,3 +408,36 @@ def test_smollm2_greedy_outputs_are_identical_and_copying_pays(smollm2_path):
     stats = spec_llm.llm_engine.stats()
     assert stats["spec_decode_acceptance_rate"] > 0.3  # 0.37 measured
     assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"]
+
+
+# --- the server ------------------------------------------------------------------------------
+
+
+def test_server_metrics_export_the_spec_decode_counters(bigram_llama_path):
+    """``/metrics`` carries vLLM's four spec-decode counters, equal to the engine's."""
+    pytest.importorskip("prometheus_client")
+    import httpx
+
+    from minivllm import LLMEngine
+    from minivllm.entrypoints.openai.api_server import BackgroundServer
+    from tests.test_server import _metric
+
+    config = EngineConfig(model=str(bigram_llama_path), attention_backend="torch",
+                          block_size=4, num_kv_blocks=64, speculative_config=NGRAM)  # fmt: skip
+    engine = LLMEngine(config)
+    words = " ".join(f"w{t - 3}" for t in PROMPTS[0]["prompt_token_ids"])
+    with BackgroundServer(engine, model_name="tiny") as server:
+        body = {"model": "tiny", "prompt": words, "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200
+        text = httpx.get(server.url + "/metrics").text
+    stats = engine.spec_decoding_stats
+    assert stats.num_drafts > 0
+    assert _metric(text, "vllm:spec_decode_num_drafts_total") == stats.num_drafts
+    assert _metric(text, "vllm:spec_decode_num_draft_tokens_total") == stats.num_draft_tokens
+    accepted = _metric(text, "vllm:spec_decode_num_accepted_tokens_total")
+    assert accepted == stats.num_accepted_tokens
+    for position, n in enumerate(stats.num_accepted_tokens_per_pos):
+        name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+        assert _metric(text, name, position=str(position)) == n

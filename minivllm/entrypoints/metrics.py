@@ -10,6 +10,8 @@ e2e latency (at the finish), read off its `RequestMetrics`. prometheus_client ad
 
 from __future__ import annotations
 
+import copy
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from minivllm.entrypoints.async_llm import AsyncLLM, StepRecord
@@ -72,6 +74,9 @@ class ServerMetrics:
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS
         )
+        self._spec_seen = copy.deepcopy(async_llm.engine.spec_decoding_stats)
+        if self._spec_seen is not None:  # speculative decoding is on
+            self._make_spec_decode_counters(names, labels)
         self._num_kv_blocks: int = async_llm.engine.num_kv_blocks
         self._prefix_seen = (0, 0)  # (queries, hits) already counted
         self._engine = async_llm.engine
@@ -92,6 +97,8 @@ class ServerMetrics:
                 self._on_finished(output)
         if self._engine.config.enable_prefix_caching:
             self._count_prefix_cache()
+        if self._spec_seen is not None:
+            self._count_spec_decode()
 
     def on_abort(self, request_id: str) -> None:
         self.request_success["abort"].inc()
@@ -133,3 +140,37 @@ class ServerMetrics:
         self.prefix_queries.inc(queries - seen_queries)
         self.prefix_hits.inc(hits - seen_hits)
         self._prefix_seen = (queries, hits)
+
+    def _make_spec_decode_counters(self, names: list[str], labels: dict) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=self.registry).labels(**labels)
+
+        self.spec_drafts = counter(
+            "vllm:spec_decode_num_drafts", "Verifications: requests that had drafts, per step."
+        )
+        self.spec_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed."
+        )
+        self.spec_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens, by position in the draft.",
+            [*names, "position"],
+            registry=self.registry,
+        )
+        self.spec_accepted_per_pos = [
+            per_pos.labels(**labels, position=str(i))
+            for i in range(self._spec_seen.num_spec_tokens)
+        ]
+
+    def _count_spec_decode(self) -> None:
+        stats = self._engine.spec_decoding_stats
+        new = stats - self._spec_seen
+        self.spec_drafts.inc(new.num_drafts)
+        self.spec_draft_tokens.inc(new.num_draft_tokens)
+        self.spec_accepted_tokens.inc(new.num_accepted_tokens)
+        for counter, n in zip(self.spec_accepted_per_pos, new.num_accepted_tokens_per_pos):
+            counter.inc(n)
+        self._spec_seen = copy.deepcopy(stats)
