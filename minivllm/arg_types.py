@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -103,3 +104,14 @@ def length_distribution(spec: str):
         return LengthDistribution.parse(spec)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def json_object(text: str) -> dict:
+    """A JSON object, e.g. ``--speculative-config '{"num_speculative_tokens": 3}'``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 from dataclasses import dataclass, field
 
 import torch
@@ -80,17 +79,6 @@ class SpeculativeConfig:
             )
 
 
-def _json_object(text: str) -> dict:
-    """argparse type for ``--speculative-config '{...}'``."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r} ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
 @dataclass
 class EngineConfig:
     """Everything `LLM` / `LLMEngine` accept besides the prompts.
@@ -136,7 +124,7 @@ class EngineConfig:
         metadata={
             "help": 'speculative decoding, as JSON: \'{"method": "ngram", '
             '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
-            "type": _json_object,
+            "type": arg_types.json_object,
         },
     )
 
