@@ -1,0 +1,102 @@
+"""The runner's flat batch, exact values: token ids, positions, paged slots, metadata.
+
+No model: `ModelRunner.prepare_inputs` only needs the block size, the device and the
+scheduler's decision. The slot of token ``pos`` is
+``block_table[pos // block_size] * block_size + pos % block_size``; these cases put chunks
+right before, on and after block boundaries, with block tables that are not in order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.model_runner import PAD_TOKEN_ID, ModelRunner
+from minivllm.sampling_params import SamplingParams
+from minivllm.scheduler import PaddingRows, SchedulerOutput
+from minivllm.sequence import Sequence
+
+
+def make_runner(block_size: int) -> ModelRunner:
+    runner = ModelRunner.__new__(ModelRunner)  # no model, no cache: inputs only
+    runner.block_size = block_size
+    runner.device = torch.device("cpu")
+    return runner
+
+
+def running_seq(request_id, token_ids, num_computed, block_table):
+    seq = Sequence(request_id, token_ids, SamplingParams())
+    seq.num_computed_tokens = num_computed
+    seq.block_table = block_table
+    return seq
+
+
+def prepare(runner, chunks, padding=()):
+    out = SchedulerOutput()
+    for seq, num_new in chunks:
+        out.add(seq, num_new)
+    out.padding.extend(padding)
+    input_ids, positions, metadata = runner.prepare_inputs(out)
+    return input_ids.tolist(), positions.tolist(), metadata
+
+
+def test_a_chunk_that_crosses_a_block_boundary():
+    runner = make_runner(block_size=4)
+    seq = running_seq("a", list(range(100, 110)), num_computed=3, block_table=[5, 2, 7])
+    input_ids, positions, metadata = prepare(runner, [(seq, 6)])  # positions 3 .. 8
+    assert input_ids == [103, 104, 105, 106, 107, 108]
+    assert positions == [3, 4, 5, 6, 7, 8]
+    assert metadata.slot_mapping.tolist() == [5 * 4 + 3, 8, 9, 10, 11, 7 * 4 + 0]
+    assert metadata.cu_seqlens_q.tolist() == [0, 6]
+    assert metadata.context_lens.tolist() == [9]
+    assert metadata.block_tables.tolist() == [[5, 2, 7]]
+    assert (metadata.max_query_len, metadata.max_context_len) == (6, 9)
+
+
+@pytest.mark.parametrize("position, expected_slot", [(3, 15), (4, 0), (7, 3), (8, 24)])
+def test_a_decode_at_every_side_of_a_boundary(position, expected_slot):
+    """Block table [3, 0, 6] with block_size 4: the last slot of a block, the first of
+    the next, the last of that one, the first of the third."""
+    runner = make_runner(block_size=4)
+    tokens = list(range(1, position + 2))
+    table = [3, 0, 6][: position // 4 + 1]
+    seq = running_seq("a", tokens, num_computed=position, block_table=table)
+    input_ids, positions, metadata = prepare(runner, [(seq, 1)])
+    assert (input_ids, positions) == ([tokens[position]], [position])
+    assert metadata.slot_mapping.tolist() == [expected_slot]
+    assert metadata.context_lens.tolist() == [position + 1]
+
+
+def test_a_mixed_batch_is_flattened_back_to_back():
+    """A decode, a first prefill chunk and a last prefill chunk in one step: each token
+    keeps its own sequence's position and block table (padded with block 0)."""
+    runner = make_runner(block_size=2)
+    decode = running_seq("d", [1, 2, 3, 4, 5], num_computed=4, block_table=[9, 4, 1])
+    first = running_seq("f", [6, 7, 8, 9, 10], num_computed=0, block_table=[])
+    first.block_table = [3, 8]  # what allocate_slots gave for a 3-token chunk
+    last = running_seq("l", [11, 12, 13], num_computed=2, block_table=[5, 6])
+    input_ids, positions, metadata = prepare(runner, [(decode, 1), (first, 3), (last, 1)])
+    assert input_ids == [5, 6, 7, 8, 13]
+    assert positions == [4, 0, 1, 2, 2]
+    assert metadata.slot_mapping.tolist() == [1 * 2 + 0, 6, 7, 16, 12]
+    assert metadata.cu_seqlens_q.tolist() == [0, 1, 4, 5]
+    assert metadata.context_lens.tolist() == [5, 3, 3]
+    assert metadata.block_tables.tolist() == [[9, 4, 1], [3, 8, 0], [5, 6, 0]]
+    assert (metadata.max_query_len, metadata.max_context_len) == (3, 5)
+    assert metadata.cu_seqlens_q.dtype == metadata.context_lens.dtype == torch.int32
+
+
+def test_padding_rows_follow_the_real_rows_in_their_members_region():
+    """Static batching: padding rows feed PAD_TOKEN_ID at the given positions, in the
+    padded member's own blocks, after every real row."""
+    runner = make_runner(block_size=4)
+    short = running_seq("s", [1, 2], num_computed=0, block_table=[2, 3])
+    long = running_seq("l", [4, 5, 6, 7, 8], num_computed=0, block_table=[0, 1])
+    padding = [PaddingRows(short, start_position=2, num_tokens=3)]
+    input_ids, positions, metadata = prepare(runner, [(short, 2), (long, 5)], padding)
+    assert input_ids == [1, 2, 4, 5, 6, 7, 8] + [PAD_TOKEN_ID] * 3
+    assert positions == [0, 1, 0, 1, 2, 3, 4, 2, 3, 4]
+    assert metadata.slot_mapping.tolist() == [8, 9, 0, 1, 2, 3, 4, 10, 11, 12]
+    assert metadata.cu_seqlens_q.tolist() == [0, 2, 7, 10]
+    assert metadata.context_lens.tolist() == [2, 5, 5]
+    assert metadata.block_tables.tolist() == [[2, 3], [0, 1], [2, 3]]
