@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
 from minivllm import LLM
@@ -281,9 +283,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._record_events(scheduled)
 
     def _record_events(self, scheduled):
-        """What the search reached (``pytest --hypothesis-show-statistics``)."""
+        """What the search reached (``pytest --hypothesis-show-statistics``; `REACHED`)."""
         if scheduled.preempted:
             event("preemption")
+            REACHED["preemption"] += 1
+        if any(
+            p and s.num_uncomputed_tokens > 1 for s, p in zip(scheduled.seqs, scheduled.is_prefill)
+        ):
+            REACHED["chunked prefill"] += 1
         for seq in self.engine.last_hits:
             event("prefix hit" + (" after a preemption" if seq.metrics.num_preemptions else ""))
 
@@ -306,8 +313,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.run_to_completion()
 
 
-SchedulerMachine.TestCase.settings = settings(stateful_step_count=60)
-TestScheduler = SchedulerMachine.TestCase
+# Derandomized: the same examples every run, so the test below can promise what they reach.
+SchedulerMachine.TestCase.settings = settings(stateful_step_count=60, derandomize=True)
+REACHED: Counter[str] = Counter()
+
+
+def test_scheduler_machine():
+    """The state machine, and proof that its examples reached preemption and chunking."""
+    REACHED.clear()
+    run_state_machine_as_test(SchedulerMachine, settings=SchedulerMachine.TestCase.settings)
+    assert REACHED["preemption"] > 0 and REACHED["chunked prefill"] > 0, REACHED
 
 
 # --- bugs other small engines shipped, as explicit regression tests ---------------------------
