@@ -25,7 +25,7 @@ def make_runner(block_size: int) -> ModelRunner:
 
 
 def running_seq(request_id, token_ids, num_computed, block_table):
-    seq = Sequence(request_id, token_ids, SamplingParams())
+    seq = Sequence(request_id, token_ids, SamplingParams(temperature=0))
     seq.num_computed_tokens = num_computed
     seq.block_table = block_table
     return seq
@@ -100,3 +100,59 @@ def test_padding_rows_follow_the_real_rows_in_their_members_region():
     assert metadata.cu_seqlens_q.tolist() == [0, 2, 7, 10]
     assert metadata.context_lens.tolist() == [2, 5, 5]
     assert metadata.block_tables.tolist() == [[2, 3], [0, 1], [2, 3]]
+
+
+# --- which rows are sampled: a fake model whose logits name the row's input token -------------
+
+
+class EchoModel:
+    """hidden state = the input token id; logits favour (that id + 1): so the greedy token
+    sampled for a sequence tells which row it was sampled from."""
+
+    vocab_size = 512
+
+    def __call__(self, input_ids, positions, kv_caches, metadata):
+        return input_ids.float()[:, None]
+
+    def compute_logits(self, hidden):
+        ids = hidden[:, 0].long() + 1
+        return torch.nn.functional.one_hot(ids, self.vocab_size).float()
+
+
+def make_echo_runner(block_size: int) -> ModelRunner:
+    from minivllm.sampler import Sampler
+
+    runner = make_runner(block_size)
+    runner.model, runner.kv_caches, runner.sampler = EchoModel(), None, Sampler()
+    return runner
+
+
+def test_only_chunks_that_reach_the_end_sample_from_their_last_row():
+    runner = make_echo_runner(block_size=4)
+    finishing = running_seq("f", [10, 11, 12, 13, 14], num_computed=2, block_table=[0, 1])
+    midway = running_seq("m", [20, 21, 22, 23, 24], num_computed=0, block_table=[2])
+    decode = running_seq("d", [30, 31, 32], num_computed=2, block_table=[3])
+    out = SchedulerOutput()
+    for seq, num_new in [(finishing, 3), (midway, 2), (decode, 1)]:
+        out.add(seq, num_new)
+    sampled = runner.execute(out)
+    assert sampled == {finishing: 15, decode: 33}  # midway is mid-prompt: nothing to sample
+
+
+def test_padding_rows_are_never_sampled():
+    runner = make_echo_runner(block_size=4)
+    short = running_seq("s", [40], num_computed=0, block_table=[0])
+    long = running_seq("l", [50, 51, 52], num_computed=0, block_table=[1])
+    out = SchedulerOutput()
+    out.add(short, 1)
+    out.add(long, 3)
+    out.padding.append(PaddingRows(short, start_position=1, num_tokens=2))
+    assert runner.execute(out) == {short: 41, long: 53}
+
+
+def test_a_step_where_nobody_samples_returns_nothing():
+    runner = make_echo_runner(block_size=4)
+    seq = running_seq("m", list(range(1, 9)), num_computed=0, block_table=[0, 1])
+    out = SchedulerOutput()
+    out.add(seq, 4)
+    assert runner.execute(out) == {}
