@@ -156,3 +156,14 @@ def test_a_seeded_generator_repeats_its_draws():
     params = SamplingParams(temperature=1.0)
     assert (draw(LOGITS, params, seed=5) == draw(LOGITS, params, seed=5)).all()
     assert (draw(LOGITS, params, seed=5) != draw(LOGITS, params, seed=6)).any()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(top_k=1), dict(min_p=1.0), dict(top_p=1e-6), dict(top_p=0.25)],
+    ids=["top_k=1", "min_p=1", "tiny top_p", "top_p below the top token"],
+)
+def test_filters_that_leave_one_token_always_draw_the_argmax(options):
+    """The edge of each filter: the most likely token itself is always kept."""
+    counts = draw(LOGITS, SamplingParams(temperature=1.5, **options))
+    assert counts[0] == NUM_DRAWS, counts
