@@ -260,3 +260,31 @@ def test_the_prefix_hit_leaves_at_least_the_last_token_to_compute(prompt_len, ex
     out = step(scheduler)
     assert scheduled(out)["again"] == prompt_len - expected_hit
     assert again.num_cached_tokens == expected_hit
+
+
+def test_finishing_takes_a_request_out_of_whichever_queue_it_is_in():
+    scheduler = make_scheduler(num_blocks=8, max_num_seqs=1)
+    a, b = make_seq("a", 4), make_seq("b", 4)
+    add(scheduler, a, b)
+    step(scheduler)
+    assert scheduler.has_unfinished()
+    finish(scheduler, b)  # still waiting (an abort)
+    assert list(scheduler.waiting) == [] and b.is_finished and b.block_table == []
+    assert b.finish_reason is FinishReason.STOP and b.metrics.finished_time == 0.0
+    assert scheduler.has_unfinished()  # a still runs
+    finish(scheduler, a)  # running: its blocks go back at once
+    assert scheduler.running == [] and a.block_table == []
+    assert scheduler.kv_cache_manager.num_free_blocks == 8
+    assert not scheduler.has_unfinished()
+    assert step(scheduler).is_empty
+
+
+def test_a_preempted_request_can_be_finished_while_it_waits():
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    a, b = make_seq("a", 8), make_seq("b", 8)
+    add(scheduler, a, b)
+    step(scheduler)
+    assert step(scheduler).preempted == [b]
+    finish(scheduler, b)
+    assert list(scheduler.waiting) == [] and b.is_finished
+    assert scheduled(step(scheduler)) == {"a": 1}
