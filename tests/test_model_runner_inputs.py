@@ -156,3 +156,15 @@ def test_a_step_where_nobody_samples_returns_nothing():
     out = SchedulerOutput()
     out.add(seq, 4)
     assert runner.execute(out) == {}
+
+
+def test_the_kv_cache_is_allocated_once_for_every_layer_keys_and_values():
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(config=SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=8))
+    runner = ModelRunner(model, num_kv_blocks=5, block_size=4, dtype=torch.float16,
+                         device=torch.device("cpu"))  # fmt: skip
+    assert runner.kv_caches.shape == (3, 2, 5, 4, 2, 8)  # [layer][k/v][block][slot][head][dim]
+    assert runner.kv_caches.dtype == torch.float16
+    assert runner.kv_caches.device == torch.device("cpu")
+    assert (runner.block_size, runner.device, runner.model) == (4, torch.device("cpu"), model)

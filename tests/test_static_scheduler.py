@@ -133,3 +133,18 @@ def test_nothing_to_schedule_when_no_region_fits():
     out = step(scheduler)
     assert out.is_empty and scheduler.num_batches == 0
     assert scheduler.has_unfinished()
+
+
+def test_finish_records_the_reason_time_and_stop_reason():
+    scheduler = make_scheduler()
+    a, b = make_seq("a", 2), make_seq("b", 2)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler)
+    scheduler.finish(a, FinishReason.STOP, now=3.5, stop_reason="###")
+    assert (a.finish_reason, a.stop_reason, a.metrics.finished_time) == (
+        FinishReason.STOP,
+        "###",
+        3.5,
+    )
+    assert a.is_finished and not b.is_finished
