@@ -148,3 +148,11 @@ def test_finish_records_the_reason_time_and_stop_reason():
         3.5,
     )
     assert a.is_finished and not b.is_finished
+
+
+def test_a_pool_of_exactly_two_regions_takes_two_members():
+    scheduler = make_scheduler(num_blocks=8, block_size=4, max_model_len=16)
+    for name in "abc":
+        scheduler.add(make_seq(name, 2))
+    assert [s.request_id for s in step(scheduler).seqs] == ["a", "b"]
+    assert scheduler.kv_cache_manager.num_free_blocks == 0
