@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from minivllm.sampler import Sampler
+from minivllm.sampler import Sampler, _apply_top_p
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
 
@@ -167,3 +167,12 @@ def test_filters_that_leave_one_token_always_draw_the_argmax(options):
     """The edge of each filter: the most likely token itself is always kept."""
     counts = draw(LOGITS, SamplingParams(temperature=1.5, **options))
     assert counts[0] == NUM_DRAWS, counts
+
+
+def test_top_p_stops_as_soon_as_the_kept_mass_reaches_p():
+    """Probabilities that are exact in binary, so "reaches p" is an exact equality: with
+    p = 0.5 the top token alone (0.5) is enough; with p = 0.75 the first two."""
+    logits = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()
+    assert _apply_top_p(logits, [0.5]).isfinite().tolist() == [[True, False, False, False]]
+    assert _apply_top_p(logits, [0.75]).isfinite().tolist() == [[True, True, False, False]]
+    assert _apply_top_p(logits, [0.76]).isfinite().tolist() == [[True, True, True, False]]

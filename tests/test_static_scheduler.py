@@ -90,6 +90,7 @@ def test_lockstep_decodes_pad_the_finished_members_until_the_batch_ends():
     assert out.seqs == [b] and padding_of(out) == [("a", 3 + 2 - 1, 1)]
     out = step(scheduler)
     assert out.seqs == [b] and padding_of(out) == [("a", 3 + 3 - 1, 1)]
+    assert b.num_computed_tokens == 5 + 3 and b.num_tokens == 5 + 4  # one token per step
     assert scheduler.num_decode_steps == 3
     assert late.status is SequenceStatus.WAITING  # nobody joins a running batch
 
