@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -26,6 +25,7 @@ KILLED = {1, 3, 36, 24, -24, 152, 255, 37}  # a failing test, a timeout, a crash
 SURVIVED = {0}
 NOT_TESTED = {5, 33}  # no test reaches the function: a survivor too
 
+SAMPLER = "minivllm.sampler."
 # name -> why no test can tell the mutant from the original (checked by hand).
 EQUIVALENT: dict[str, str] = {
     "minivllm.kv_cache_manager.x_hash_block_tokens__mutmut_8": (
@@ -38,35 +38,76 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.static_scheduler.x\u01c1StaticBatchScheduler\u01c1__init____mutmut_9": (
         "num_decode_steps starts at 1: _start_batch sets it to 0 before anything reads it"
     ),
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_14": (
+        "`temperature or 2.0`: the fallback only divides greedy rows (temperature 0), whose "
+        "sampled token is replaced by the argmax"
+    ),
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_18": (
+        "top-k applied when every top_k is 0: k = 0 means the whole vocabulary, keeps all"
+    ),
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_26": (
+        "top-p applied with p = 1: drops only tokens after a cumulative mass of 1.0, i.e. "
+        "below float32 resolution"
+    ),
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_27": (
+        "top-p applied with p = 1 (as `top_p <= 1`): keeps every representable token"
+    ),
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_38": (
+        "min-p applied with min_p = 0: masks probabilities below 0, none"
+    ),
+    SAMPLER + "x__apply_top_k__mutmut_13": (
+        "`0 < k <= vocab_size`: k = vocab_size keeps the whole vocabulary either way"
+    ),
+    SAMPLER + "x__apply_top_k__mutmut_38": 'float("-INF") is float("-inf")',
 }
 ASSERT_MESSAGE = "the text of an assert's message (shown only when an invariant is broken)"
+LAST_AXIS = "the sampler's tensors are 2-D [num_seqs, vocab_size]: axis +1 is axis -1"
+DEVICE = "device placement: only observable with the logits on a GPU, not in a CPU run"
 STRING = re.compile(r"""[rbf]*("[^"]*"|'[^']*')""")
 
 
 def why_equivalent(name: str, diff: str) -> str | None:
-    """The reason a mutant changes nothing observable, or None. Besides the hand-checked
-    list, one kind is recognised from the diff: a change inside an assert's message."""
+    """The reason a mutant changes nothing observable, or None: the hand-checked list
+    above, or one of three kinds recognised from the diff (an assert's message text; in
+    the sampler, axis +1 for -1 and a tensor created without the logits' device)."""
     if name in EQUIVALENT:
         return EQUIVALENT[name]
-    removed = [line[1:].strip() for line in diff.splitlines() if line.startswith("- ")]
-    added = [line[1:].strip() for line in diff.splitlines() if line.startswith("+ ")]
-    if (
-        len(removed) == len(added) == 1
-        and removed[0].startswith("assert ")
-        and STRING.sub('""', removed[0]) == STRING.sub('""', added[0])
-    ):
+    removed = " ".join(line[1:].strip() for line in diff.splitlines() if line.startswith("- "))
+    added = " ".join(line[1:].strip() for line in diff.splitlines() if line.startswith("+ "))
+    if removed.startswith("assert ") and STRING.sub('""', removed) == STRING.sub('""', added):
         return ASSERT_MESSAGE
+    if name.startswith(SAMPLER):
+        if _last_axis(removed) == _last_axis(added):
+            return LAST_AXIS
+        if _no_device(removed) == _no_device(added):
+            return DEVICE
     return None
 
 
-def show(name: str) -> str:
-    return subprocess.run(["mutmut", "show", name], capture_output=True, text=True).stdout
+def _last_axis(line: str) -> str:
+    return line.replace("+1", "-1").replace("dim=-1, ", "")
 
 
-def load_results(root: Path = Path("mutants")) -> dict[str, int | None]:
-    results: dict[str, int | None] = {}
+def _no_device(line: str) -> str:
+    line = re.sub(r"device=[\w.]+", "", line)
+    return re.sub(r"[,\s]+\)", ")", line)
+
+
+def show(name: str, source_path: Path) -> str:
+    """The mutant's diff, as ``mutmut show`` prints it (mutmut's own function, in-process:
+    a process per mutant would take minutes)."""
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    return get_diff_for_mutant(name, path=source_path)
+
+
+def load_results(root: Path = Path("mutants")) -> dict[str, tuple[int | None, Path]]:
+    """Each mutant's exit code (None: not run yet) and the source file it mutates."""
+    results: dict[str, tuple[int | None, Path]] = {}
     for meta in sorted(root.rglob("*.py.meta")):
-        results.update(json.loads(meta.read_text())["exit_code_by_key"])
+        source_path = meta.relative_to(root).with_suffix("")
+        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            results[name] = (code, source_path)
     return results
 
 
@@ -85,13 +126,13 @@ def main() -> None:
         raise SystemExit("no mutmut results under mutants/: run `make mutation` first")
     counts: dict[str, Counter] = defaultdict(Counter)
     survivors, equivalent = [], []
-    for name, code in sorted(results.items()):
+    for name, (code, source_path) in sorted(results.items()):
         module = module_of(name)
         if code is None:
             counts[module]["not checked"] += 1
         elif code in KILLED:
             counts[module]["killed"] += 1
-        elif reason := why_equivalent(name, show(name)):
+        elif reason := why_equivalent(name, show(name, source_path)):
             counts[module]["equivalent"] += 1
             equivalent.append((name, reason))
         else:
@@ -113,7 +154,8 @@ def main() -> None:
     for name in survivors:
         print(" ", name)
         if args.diffs:
-            print("    " + show(name).strip().replace("\n", "\n    "))
+            diff = show(name, results[name][1])
+            print("    " + diff.strip().replace("\n", "\n    "))
 
 
 def _row(module: str, c: Counter) -> str:
