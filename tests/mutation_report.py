@@ -59,6 +59,7 @@ EQUIVALENT: dict[str, str] = {
         "`0 < k <= vocab_size`: k = vocab_size keeps the whole vocabulary either way"
     ),
     SAMPLER + "x__apply_top_k__mutmut_38": 'float("-INF") is float("-inf")',
+    SAMPLER + "x__apply_top_p__mutmut_43": 'float("-INF") is float("-inf")',
 }
 ASSERT_MESSAGE = "the text of an assert's message (shown only when an invariant is broken)"
 LAST_AXIS = "the sampler's tensors are 2-D [num_seqs, vocab_size]: axis +1 is axis -1"

@@ -288,3 +288,18 @@ def test_a_preempted_request_can_be_finished_while_it_waits():
     finish(scheduler, b)
     assert list(scheduler.waiting) == [] and b.is_finished
     assert scheduled(step(scheduler)) == {"a": 1}
+
+
+def test_every_preemption_is_counted_per_request_and_in_total():
+    """b is the newest running request twice, and twice the victim."""
+    scheduler = make_scheduler(num_blocks=4, block_size=2)
+    a, d, b = make_seq("a", 2), make_seq("d", 2), make_seq("b", 2)
+    add(scheduler, a, d, b)
+    step(scheduler)  # one block each, one free
+    assert step(scheduler).preempted == [b]  # a takes the free block, d takes b's
+    finish(scheduler, a)
+    out = step(scheduler)  # b is readmitted into a's blocks
+    assert scheduled(out) == {"d": 1, "b": 3}
+    assert step(scheduler).preempted == [b]  # d needs a third block
+    assert b.metrics.num_preemptions == 2 and d.metrics.num_preemptions == 0
+    assert scheduler.num_preemptions == 2
