@@ -303,3 +303,16 @@ def test_every_preemption_is_counted_per_request_and_in_total():
     assert step(scheduler).preempted == [b]  # d needs a third block
     assert b.metrics.num_preemptions == 2 and d.metrics.num_preemptions == 0
     assert scheduler.num_preemptions == 2
+
+
+def test_finish_records_the_reason_time_and_stop_reason():
+    scheduler = make_scheduler(num_blocks=4)
+    a = make_seq("a", 2)
+    add(scheduler, a)
+    step(scheduler)
+    scheduler.finish(a, FinishReason.STOP, now=2.5, stop_reason="###")
+    assert (a.finish_reason, a.stop_reason, a.metrics.finished_time) == (
+        FinishReason.STOP,
+        "###",
+        2.5,
+    )
