@@ -149,24 +149,21 @@ def test_the_newest_running_sequence_is_preempted_and_readmitted_before_later_ar
 
 
 def test_no_admission_in_a_step_that_preempted():
-    """The preempting step frees blocks, and the waiting head would fit into them; it is
-    still not admitted: the pool is full, so it would be the next victim."""
-    scheduler = make_scheduler(num_blocks=5, block_size=4)
-    a, b = make_seq("a", 8), make_seq("b", 8)
+    """The preempting step frees blocks, and the waiting head (the victim itself, whose
+    next chunk is only as large as the budget left) would fit into them; it is still not
+    admitted: the pool is full, so it would be the next victim."""
+    scheduler = make_scheduler(num_blocks=5, block_size=2, budget=3)
+    a, b = make_seq("a", 2), make_seq("b", 6)
     add(scheduler, a, b)
-    step(scheduler)  # 4 of 5 blocks used
-    small = make_seq("small", 4)
-    add(scheduler, small)
-    out = step(scheduler)  # a and b each need a third block: only one is free
-    assert out.preempted == [b]
-    assert scheduled(out) == {"a": 1}
-    assert scheduler.kv_cache_manager.num_free_blocks == 2  # b's blocks: room for "small"
-    assert [s.request_id for s in scheduler.waiting] == ["b", "small"]
-    assert small.status is SequenceStatus.WAITING and small.block_table == []
-
-    out = step(scheduler)  # b (9 tokens, 3 blocks) does not fit in 2; small would, but waits
-    assert out.preempted == [] and scheduled(out) == {"a": 1}
-    assert [s.request_id for s in scheduler.waiting] == ["b", "small"]
+    for expected in ({"a": 2, "b": 1}, {"a": 1, "b": 2}, {"a": 1, "b": 2}):
+        assert scheduled(step(scheduler)) == expected  # b's prompt in chunks: 3 blocks
+    out = step(scheduler)  # a needs a third block and none is free: b goes
+    assert out.preempted == [b] and scheduled(out) == {"a": 1}
+    # 2 blocks are free now, and b's next chunk (2 tokens, the budget left) needs 1.
+    assert scheduler.kv_cache_manager.num_free_blocks == 2
+    assert list(scheduler.waiting) == [b] and b.block_table == []
+    out = step(scheduler)  # the next step readmits it
+    assert out.preempted == [] and scheduled(out) == {"a": 1, "b": 2}
 
 
 def test_preemption_evicts_from_the_newest_until_the_oldest_fits():
