@@ -38,6 +38,10 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.static_scheduler.x\u01c1StaticBatchScheduler\u01c1__init____mutmut_9": (
         "num_decode_steps starts at 1: _start_batch sets it to 0 before anything reads it"
     ),
+    "minivllm.block_allocator.x\u01c1BlockAllocator\u01c1free__mutmut_8": (
+        'free_block_ids[block_id] = "" for None: the free queue is an OrderedDict used as an '
+        "ordered set, its values are never read"
+    ),
     SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_14": (
         "`temperature or 2.0`: the fallback only divides greedy rows (temperature 0), whose "
         "sampled token is replaced by the argmax"

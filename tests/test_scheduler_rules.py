@@ -313,3 +313,13 @@ def test_finish_records_the_reason_time_and_stop_reason():
         "###",
         2.5,
     )
+
+
+def test_a_running_request_the_budget_does_not_reach_is_not_in_the_step():
+    scheduler = make_scheduler(num_blocks=16, budget=3)
+    add(scheduler, make_seq("a", 1), make_seq("b", 1), make_seq("c", 1))
+    assert scheduled(step(scheduler)) == {"a": 1, "b": 1, "c": 1}
+    scheduler.max_num_batched_tokens = 2  # a smaller budget from now on
+    out = step(scheduler)
+    assert scheduled(out) == {"a": 1, "b": 1}  # c waits its turn; no empty chunk for it
+    assert all(n >= 1 for n in out.num_new_tokens)
