@@ -168,3 +168,6 @@ def test_the_kv_cache_is_allocated_once_for_every_layer_keys_and_values():
     assert runner.kv_caches.dtype == torch.float16
     assert runner.kv_caches.device == torch.device("cpu")
     assert (runner.block_size, runner.device, runner.model) == (4, torch.device("cpu"), model)
+    from minivllm.sampler import Sampler
+
+    assert isinstance(runner.sampler, Sampler)

@@ -164,9 +164,11 @@ def test_a_seeded_generator_repeats_its_draws():
     ids=["top_k=1", "min_p=1", "tiny top_p", "top_p below the top token"],
 )
 def test_filters_that_leave_one_token_always_draw_the_argmax(options):
-    """The edge of each filter: the most likely token itself is always kept."""
-    counts = draw(LOGITS, SamplingParams(temperature=1.5, **options))
-    assert counts[0] == NUM_DRAWS, counts
+    """The edge of each filter: the most likely token itself is always kept. (The most
+    likely token is the last one here, so that a sampler that masked every token and
+    then drew index 0 would fail.)"""
+    counts = draw(LOGITS[::-1].copy(), SamplingParams(temperature=1.5, **options))
+    assert counts[-1] == NUM_DRAWS, counts
 
 
 def test_top_p_stops_as_soon_as_the_kept_mass_reaches_p():
