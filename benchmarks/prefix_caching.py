@@ -50,7 +50,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> RunResu
         for output in engine.step():
             if output.finished:
                 outputs[output.request_id] = output.outputs[0].token_ids
-        num_computed += engine.last_step.total_num_tokens
+        num_computed += engine.last_step.total_num_scheduled_tokens
     seconds = time.perf_counter() - start
     after = engine.stats()
     queried = after["prefix_cache_query_tokens"] - before["prefix_cache_query_tokens"]
@@ -62,33 +62,23 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> RunResu
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="default: bundled SmolLM2-135M-Instruct")
     parser.add_argument("--num-requests", type=int, default=8)
     parser.add_argument("--system-prompt-len", type=int, default=256)
     parser.add_argument("--user-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    EngineConfig.add_cli_args(parser, exclude=("enable_prefix_caching", "max_num_seqs"))
+    parser.set_defaults(max_num_batched_tokens=256)
     args = parser.parse_args()
 
     engines = {}
     for caching in (False, True):
-        config = EngineConfig(
-            model=args.model,
-            block_size=args.block_size,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.num_requests,
-            device=args.device,
-            dtype=args.dtype,
-            enable_prefix_caching=caching,
+        config = EngineConfig.from_cli_args(
+            args, max_num_seqs=args.num_requests, enable_prefix_caching=caching
         )
         engines[caching] = LLMEngine(config)
     engine = engines[False]
-    prompts = make_prompts(args, engine.model.config.vocab_size)
+    prompts = make_prompts(args, engine.executor.model_config.vocab_size)
     print(
         f"{args.num_requests} requests: {args.system_prompt_len}-token shared system prompt "
         f"+ {args.user_len} own tokens, {args.output_len} output tokens each; "

@@ -1,111 +1,321 @@
-"""Where an engine step stands against this machine's limits.
+"""Each kind of model step against this machine's limits (a roofline).
 
-    python benchmarks/roofline.py [--attention-backend numba-cpu] [--num-requests 32]
+    python benchmarks/roofline.py [--attention-backend auto] [--plot docs/assets/roofline.png]
+                                  [--baseline] [--repeats 5] [--threads N]
 
 Measures, on the spot, the fp32 matmul peak (GFLOP/s) and how fast the machine reads
-memory (GB/s), then runs the bench's synthetic workload (seeded; prompts 16-400 tokens)
-and times two kinds of step:
+memory (GB/s). Then it loads SmolLM2-135M and times model steps built directly (no
+scheduler: the same flattened batch and `AttentionMetadata` the model runner would build):
 
-- a *prefill* step (a full 512-token budget of prompt chunks): compute-bound, reported
-  as useful GFLOP/s against the matmul peak;
-- a *decode* step of the whole batch (one token per sequence): it must read every weight
-  and each sequence's keys and values, so it is reported as GB/s against the read speed.
+- prefill: a full 512-token budget of prompt tokens (three prompts of 200, 180 and 132);
+- decode at 1, 4, 16 and 32 sequences: one new token each, contexts uniform in 100-500
+  (seed 0).
+
+A step is the model's forward pass, the vocabulary projection of the rows that sample and
+their argmax. For each it counts the useful FLOPs (`ModelConfig.request_flops`) and the
+bytes it must at least move (every weight once, each sequence's keys and values once, the
+new keys and values written), and reports the time against
+``limit = max(FLOPs / matmul peak, bytes / read bandwidth)``. The plot puts each step on
+the roofline: attainable GFLOP/s against arithmetic intensity (FLOPs per byte).
+
+``--baseline`` also times every step with the decode-speed work switched off where it can
+be (see `unoptimized`), the two taking turns step by step: on a machine shared with other
+work, ratios measured this way are the ones to compare.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import random
+import sys
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
-from minivllm import LLM, SamplingParams
-from minivllm.bench.workloads import LengthDistribution, synthetic
-from minivllm.metrics import measure_matmul_peak
+from minivllm.attention import AttentionMetadata, get_backend
+from minivllm.config import EngineConfig
+from minivllm.models.linear import Linear
+from minivllm.models.llama import CausalLM, ModelConfig
+from minivllm.models.loader import load_model
+from minivllm.models.model_files import default_model_path
+
+BLOCK_SIZE = 16
+PREFILL_PROMPTS = (200, 180, 132)  # 512 tokens: the engine's default token budget
+DECODE_BATCHES = (1, 4, 16, 32)
 
 
-def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """GB/s of summing a buffer far larger than any cache (best of ``repeats``)."""
+@dataclass
+class StepResult:
+    name: str
+    seconds: float
+    flops: int
+    num_bytes: int
+
+    def limit(self, peak_flops: float, read_bytes_per_s: float) -> float:
+        return max(self.flops / peak_flops, self.num_bytes / read_bytes_per_s)
+
+
+def measure_matmul_peak(size: int = 1024, repeats: int = 20) -> float:
+    """FLOP/s of a ``size``-square fp32 ``torch.mm``, best of ``repeats`` calls."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)  # warm-up
+    return 2 * size**3 / _best_seconds(lambda: torch.mm(a, b), repeats)
+
+
+def measure_read_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Bytes/s of summing a buffer far larger than any cache, best of ``repeats``."""
     buffer = torch.ones(num_bytes // 4)
+    return num_bytes / _best_seconds(buffer.sum, repeats)
+
+
+def _best_seconds(fn, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        buffer.sum()
+        fn()
         best = min(best, time.perf_counter() - start)
-    return num_bytes / best / 1e9
+    return best
+
+
+def build_step(
+    query_lens: list[int], context_lens: list[int], num_blocks: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """input_ids, positions and metadata of one flattened step; blocks shuffled over the cache."""
+    rng = random.Random(seed)
+    free_blocks = list(range(num_blocks))
+    rng.shuffle(free_blocks)
+    tables, positions, slots = [], [], []
+    for query_len, context_len in zip(query_lens, context_lens):
+        table = [free_blocks.pop() for _ in range(-(-context_len // BLOCK_SIZE))]
+        tables.append(table)
+        for pos in range(context_len - query_len, context_len):
+            positions.append(pos)
+            slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+    max_blocks = max(len(t) for t in tables)
+    cu_seqlens_q = [0]
+    for query_len in query_lens:
+        cu_seqlens_q.append(cu_seqlens_q[-1] + query_len)
+    padded_tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        block_tables=torch.tensor(padded_tables, dtype=torch.int32),
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+    )  # fmt: skip
+    input_ids = torch.tensor([rng.randrange(100, 40000) for _ in positions])
+    return input_ids, torch.tensor(positions), metadata
+
+
+def time_step(
+    model: CausalLM,
+    kv_caches: torch.Tensor,
+    query_lens: list[int],
+    context_lens: list[int],
+    repeats: int,
+    variants: list,
+) -> list[float]:
+    """Best seconds of forward + logits of each sequence's last row + argmax, for each of
+    ``variants`` (context managers that switch the model into a mode). The variants take
+    turns step by step, so a burst of load from other processes hits them alike; the best,
+    not the median: on a shared machine the slow steps measure the other processes."""
+    input_ids, positions, metadata = build_step(query_lens, context_lens, kv_caches.shape[2])
+    last_rows = (metadata.cu_seqlens_q[1:] - 1).long()
+    best = [float("inf")] * len(variants)
+    with torch.inference_mode():
+        for repeat in range(repeats + 1):  # the first round warms up
+            for i, variant in enumerate(variants):
+                with variant():
+                    start = time.perf_counter()
+                    hidden = model(input_ids, positions, kv_caches, metadata)
+                    model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()
+                    seconds = time.perf_counter() - start
+                if repeat > 0:
+                    best[i] = min(best[i], seconds)
+    return best
+
+
+@contextmanager
+def as_is():
+    yield
+
+
+def unoptimized(model: CausalLM):
+    """A context manager running ``model`` as it was before the decode-speed work, where
+    that can be switched: F.linear on the row-major weights instead of the oneDNN-prepacked
+    copies, and numba-cpu's parallel kernel at every size (RMSNorm and RoPE stay new)."""
+
+    @contextmanager
+    def switched():
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        packed = [m.packed_weight for m in linears]
+        numba_cpu = sys.modules.get("minivllm_kernels.numba_cpu")
+        limit = numba_cpu.SERIAL_WORK_LIMIT if numba_cpu else None
+        for m in linears:
+            m.packed_weight = None
+        if numba_cpu:
+            numba_cpu.SERIAL_WORK_LIMIT = -1
+        try:
+            yield
+        finally:
+            for m, weight in zip(linears, packed):
+                m.packed_weight = weight
+            if numba_cpu:
+                numba_cpu.SERIAL_WORK_LIMIT = limit
+
+    return switched
+
+
+def step_flops(config: ModelConfig, query_lens: list[int], context_lens: list[int]) -> int:
+    """Useful FLOPs: each sequence's new rows through every layer, plus one vocabulary
+    projection per sequence (each step here samples every sequence)."""
+    flops = 0
+    for query_len, context_len in zip(query_lens, context_lens):
+        # request_flops(n + 1, 0) counts the rows at positions 0 .. n-1.
+        rows = config.request_flops(context_len + 1, 0)
+        rows -= config.request_flops(context_len - query_len + 1, 0)
+        flops += rows + 2 * config.hidden_size * config.vocab_size
+    return flops
+
+
+def step_bytes(model: CausalLM, query_lens: list[int], context_lens: list[int]) -> int:
+    """Bytes a step must move at the least: every weight read once (tied embeddings
+    counted once), each sequence's cached keys/values read once, new ones written."""
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    return weights + kv_per_token * (sum(context_lens) + sum(query_lens))
+
+
+def run_steps(model: CausalLM, repeats: int, variants: list) -> list[list[StepResult]]:
+    """One list of results per variant, each: prefill, then decode at each batch size."""
+    config = model.config
+    rng = random.Random(0)
+    decode_contexts = [rng.randint(100, 500) for _ in range(max(DECODE_BATCHES))]
+    cases = [("prefill 512 tokens", list(PREFILL_PROMPTS), list(PREFILL_PROMPTS))]
+    for batch in DECODE_BATCHES:
+        cases.append((f"decode {batch} seqs", [1] * batch, decode_contexts[:batch]))
+    num_blocks = sum(-(-c // BLOCK_SIZE) for c in decode_contexts) + 64
+    kv_caches = torch.zeros(
+        config.num_layers, 2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim
+    )
+    results = [[] for _ in variants]
+    for name, query_lens, context_lens in cases:
+        times = time_step(model, kv_caches, query_lens, context_lens, repeats, variants)
+        flops = step_flops(config, query_lens, context_lens)
+        num_bytes = step_bytes(model, query_lens, context_lens)
+        for variant_results, seconds in zip(results, times):
+            variant_results.append(StepResult(name, seconds, flops, num_bytes))
+    return results
+
+
+def print_table(results: list[StepResult], peak: float, bandwidth: float) -> None:
+    print(
+        f"{'step':<20} {'ms':>8} {'GFLOP':>7} {'MB':>6} {'GFLOP/s':>8} {'GB/s':>6} "
+        f"{'limit ms':>9} {'bound':>7} {'time/limit':>10}"
+    )
+    for r in results:
+        limit = r.limit(peak, bandwidth)
+        bound = "compute" if r.flops / peak >= r.num_bytes / bandwidth else "memory"
+        print(
+            f"{r.name:<20} {r.seconds * 1e3:8.1f} {r.flops / 1e9:7.2f} {r.num_bytes / 1e6:6.0f} "
+            f"{r.flops / r.seconds / 1e9:8.1f} {r.num_bytes / r.seconds / 1e9:6.1f} "
+            f"{limit * 1e3:9.1f} {bound:>7} {r.seconds / limit:9.2f}x"
+        )
+
+
+def plot_roofline(
+    results: list[StepResult],
+    peak: float,
+    bandwidth: float,
+    path: str,
+    baseline: list[StepResult] | None = None,
+) -> None:
+    """Attainable GFLOP/s against FLOPs per byte; one point per step kind (hollow: the
+    unoptimized baseline of the same run, if measured)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    intensities = [r.flops / r.num_bytes for r in results]
+    low, high = min(intensities) / 2, max(intensities) * 4
+    xs = sorted({low, peak / bandwidth, high})
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(xs, [min(peak, bandwidth * x) / 1e9 for x in xs], color="black", label="limit")
+    for i, (r, x) in enumerate(zip(results, intensities)):
+        color = f"C{i}"
+        ax.scatter(x, r.flops / r.seconds / 1e9, color=color, zorder=3, label=r.name)
+        if baseline:
+            before = baseline[i].flops / baseline[i].seconds / 1e9
+            ax.scatter(x, before, facecolors="none", edgecolors=color, zorder=3)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP per byte moved)")
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title(
+        f"SmolLM2-135M fp32, {torch.get_num_threads()} threads: peak {peak / 1e9:.0f} GFLOP/s, "
+        f"read {bandwidth / 1e9:.1f} GB/s" + ("; hollow: baseline" if baseline else ""),
+        fontsize=9,
+    )
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def load_smollm2(attention_backend: str) -> CausalLM:
+    """The bundled SmolLM2-135M in fp32 on CPU, as the engine would load it."""
+    config = EngineConfig(attention_backend=attention_backend)
+    backend = get_backend(config.attention_backend_name)()
+    model, _ = load_model(default_model_path(), backend, torch.float32, torch.device("cpu"))
+    return model
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per case")
+    parser.add_argument("--plot", help="write the roofline plot (PNG) here")
+    parser.add_argument(
+        "--threads", type=int, help="torch threads (default: torch's); the limits use the same"
+    )
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also time each step unoptimized (F.linear, always-parallel attention), "
+        "taking turns step by step with the optimized one",
+    )
     args = parser.parse_args()
 
-    peak_gflops, read_gbps = measure_matmul_peak(), measure_read_bandwidth()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_smollm2(args.attention_backend)
+    # The limits are measured before and after the steps, keeping the best of each, so a
+    # burst of load from other processes at one moment does not lower the roofline.
+    peak, bandwidth = measure_matmul_peak(), measure_read_bandwidth()
+    variants = [as_is, unoptimized(model)] if args.baseline else [as_is]
+    results, *baseline = run_steps(model, args.repeats, variants)
+    peak = max(peak, measure_matmul_peak())
+    bandwidth = max(bandwidth, measure_read_bandwidth())
+    backend_name = model.layers[0].self_attn.backend.name
     print(
-        f"machine: {torch.get_num_threads()} torch threads, fp32 matmul peak "
-        f"{peak_gflops:.0f} GFLOP/s, memory read {read_gbps:.1f} GB/s"
+        f"machine: {torch.get_num_threads()} torch threads, fp32 matmul peak {peak / 1e9:.0f} "
+        f"GFLOP/s, memory read {bandwidth / 1e9:.1f} GB/s; attention {backend_name}"
     )
-
-    llm = LLM(attention_backend=args.attention_backend, max_num_seqs=args.num_requests)
-    engine, config = llm.llm_engine, llm.llm_engine.model.config
-    vocab = engine.model.config.vocab_size
-    workload = synthetic(
-        args.num_requests, LengthDistribution.parse("uniform:16:400"),
-        LengthDistribution.parse("128"), (10, vocab), seed=0,
-    )  # fmt: skip
-    for request in workload.requests:
-        params = SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True)
-        engine.add_request(
-            request.request_id, {"prompt_token_ids": request.prompt_token_ids}, params
-        )
-
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
-    prefill, decode = [], []
-    while engine.has_unfinished_requests() and len(decode) < 20:
-        start = time.perf_counter()
-        engine.step()
-        seconds = time.perf_counter() - start
-        step = engine.last_step
-        if step.num_prefill_tokens >= 0.9 * engine.config.max_num_batched_tokens:
-            flops = sum(_chunk_flops(config, s, n) for s, n in zip(step.seqs, step.num_new_tokens))
-            prefill.append((seconds, flops))
-        elif step.num_decode_tokens == len(step.seqs) == args.num_requests:
-            context = sum(s.num_computed_tokens for s in step.seqs)
-            decode.append((seconds, weight_bytes + context * kv_bytes_per_token))
-
-    seconds, flops = _median(prefill)
-    budget = engine.config.max_num_batched_tokens
-    print(
-        f"prefill-heavy step (>= 90% of {budget} tokens): {seconds * 1e3:.0f} ms, "
-        f"{flops / seconds / 1e9:.0f} GFLOP/s = {flops / seconds / 1e9 / peak_gflops:.0%} "
-        f"of the matmul peak (median of {len(prefill)})"
-    )
-    seconds, num_bytes = _median(decode)
-    print(
-        f"decode step, {args.num_requests} sequences: {seconds * 1e3:.0f} ms, reads "
-        f"{num_bytes / 1e6:.0f} MB (weights + KV) = {num_bytes / seconds / 1e9:.1f} GB/s = "
-        f"{num_bytes / seconds / 1e9 / read_gbps:.0%} of the read speed (median of {len(decode)})"
-    )
-
-
-def _chunk_flops(config, seq, num_new: int) -> int:
-    """Useful work of one scheduled chunk, after the step: projections and attention of
-    its rows (positions ``start .. start + num_new - 1``), plus the vocabulary projection
-    if a token was sampled from it. ``request_flops(n + 1, 0)`` covers positions 0..n-1."""
-    end = seq.num_computed_tokens  # the step already advanced the sequence
-    rows = config.request_flops(end + 1, 0) - config.request_flops(end - num_new + 1, 0)
-    sampled = seq.num_tokens == end + 1
-    return rows + (2 * config.hidden_size * config.vocab_size if sampled else 0)
-
-
-def _median(samples: list[tuple[float, int]]) -> tuple[float, int]:
-    if not samples:
-        raise SystemExit("no step of that kind ran: use more requests")
-    seconds = statistics.median(s for s, _ in samples)
-    return seconds, statistics.median(v for _, v in samples)
+    print_table(results, peak, bandwidth)
+    if baseline:
+        print("\nbaseline (same run, steps taking turns): F.linear, always-parallel attention")
+        print_table(baseline[0], peak, bandwidth)
+        print("\nspeed-up: " + ", ".join(
+            f"{new.name} {old.seconds / new.seconds:.2f}x" for new, old in zip(results, baseline[0])
+        ))  # fmt: skip
+    if args.plot:
+        plot_roofline(results, peak, bandwidth, args.plot, baseline[0] if baseline else None)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from minivllm_kernels.random_batch import HEAD_DIM, NUM_KV_HEADS, random_paged_step
 
 from minivllm.attention import get_backend
+from minivllm.utils import cdiv
 
 REPO = Path(__file__).resolve().parents[1]
 PARITY_PROMPTS = [
@@ -86,7 +87,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def padded_sdpa_decode(query, key_cache, value_cache, metadata, scale):
     """torch's best batched path: gather every context into ``[seqs, kv_heads, L, dim]``
     (padded to the longest), mask the padding, one SDPA call with GQA."""
-    max_blocks = -(-metadata.max_context_len // key_cache.shape[1])
+    max_blocks = cdiv(metadata.max_context_len, key_cache.shape[1])
     tables = metadata.block_tables[:, :max_blocks].long()
     keys = key_cache[tables].flatten(1, 2).transpose(1, 2)  # [seqs, kv_heads, L, dim]
     values = value_cache[tables].flatten(1, 2).transpose(1, 2)

@@ -63,42 +63,71 @@ def paged_attention_kernel(
     block_tables ``[num_seqs, max_blocks]``: int32, as in `AttentionMetadata`.
     scale: float32. num_workers: how many items run at once (numba's thread count).
     """
+    seq_of_row = _sequence_of_each_row(cu_seqlens_q, query.shape[0])
+    for worker in prange(num_workers):
+        _run_items(worker, num_workers, query, key_cache, value_cache, cu_seqlens_q,
+                   context_lens, block_tables, seq_of_row, scale, output)  # fmt: skip
+
+
+@njit(fastmath=True, cache=True)
+def paged_attention_kernel_serial(
+    query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables, scale, output
+):
+    """`paged_attention_kernel` on the calling thread: for steps so small (a decode of a
+    few sequences) that waking numba's worker threads costs more than the work."""
+    seq_of_row = _sequence_of_each_row(cu_seqlens_q, query.shape[0])
+    _run_items(0, 1, query, key_cache, value_cache, cu_seqlens_q,
+               context_lens, block_tables, seq_of_row, scale, output)  # fmt: skip
+
+
+@njit(fastmath=True, cache=True)
+def _run_items(
+    worker,
+    num_workers,
+    query,
+    key_cache,
+    value_cache,
+    cu_seqlens_q,
+    context_lens,
+    block_tables,
+    seq_of_row,
+    scale,
+    output,
+):
+    """Items ``worker, worker + num_workers, ...``; an item is one (query row, kv head)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group_size = num_heads // num_kv_heads
-    seq_of_row = _sequence_of_each_row(cu_seqlens_q, num_tokens)
-    num_items = num_tokens * num_kv_heads
-    for worker in prange(num_workers):
-        # Scratch space for one item, allocated once per worker.
-        weighted_sum = np.empty((group_size, head_dim), dtype=np.float32)
-        running_max = np.empty(group_size, dtype=np.float32)
-        denominator = np.empty(group_size, dtype=np.float32)
-        scores = np.empty(block_size, dtype=np.float32)
-        for item in range(worker, num_items, num_workers):
-            row, kv_head = item // num_kv_heads, item % num_kv_heads
-            seq = seq_of_row[row]
-            query_len = cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]
-            # This row is the last query_len tokens' (row - first row)-th: its position.
-            position = context_lens[seq] - query_len + (row - cu_seqlens_q[seq])
-            weighted_sum[:] = 0.0
-            running_max[:] = _NO_SCORE
-            denominator[:] = 0.0
-            _attend_to_context(
-                query[row],
-                key_cache,
-                value_cache,
-                block_tables[seq],
-                position + 1,
-                kv_head,
-                scale,
-                scores,
-                weighted_sum,
-                running_max,
-                denominator,
-            )
-            for member in range(group_size):
-                head = kv_head * group_size + member
-                output[row, head, :] = weighted_sum[member] / denominator[member]
+    # Scratch space for one item, allocated once per worker.
+    weighted_sum = np.empty((group_size, head_dim), dtype=np.float32)
+    running_max = np.empty(group_size, dtype=np.float32)
+    denominator = np.empty(group_size, dtype=np.float32)
+    scores = np.empty(block_size, dtype=np.float32)
+    for item in range(worker, num_tokens * num_kv_heads, num_workers):
+        row, kv_head = item // num_kv_heads, item % num_kv_heads
+        seq = seq_of_row[row]
+        query_len = cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]
+        # This row is the last query_len tokens' (row - first row)-th: its position.
+        position = context_lens[seq] - query_len + (row - cu_seqlens_q[seq])
+        weighted_sum[:] = 0.0
+        running_max[:] = _NO_SCORE
+        denominator[:] = 0.0
+        _attend_to_context(
+            query[row],
+            key_cache,
+            value_cache,
+            block_tables[seq],
+            position + 1,
+            kv_head,
+            scale,
+            scores,
+            weighted_sum,
+            running_max,
+            denominator,
+        )
+        for member in range(group_size):
+            head = kv_head * group_size + member
+            output[row, head, :] = weighted_sum[member] / denominator[member]
 
 
 @njit(cache=True)
@@ -161,6 +190,13 @@ def _attend_to_context(
                     acc[d] += weight * v[d]
 
 
+# Below this much work per call (query rows x longest context x heads x head_dim, an upper
+# bound on the multiply-adds) the kernel runs on the calling thread: on the development
+# box, waking numba's worker threads cost more than they saved up to a decode of about 16
+# sequences with contexts up to ~500 tokens.
+SERIAL_WORK_LIMIT = 16 * 500 * 9 * 64
+
+
 class NumbaCpuAttentionBackend(AttentionBackend):
     """`paged_attention_kernel` behind the backend contract: fp32 on CPU."""
 
@@ -181,7 +217,7 @@ class NumbaCpuAttentionBackend(AttentionBackend):
         # second, slower specialisation for it, so make it dense (a small copy).
         query = query.contiguous()
         output = torch.empty_like(query)
-        paged_attention_kernel(
+        arrays = (
             query.detach().numpy(),
             key_cache.detach().numpy(),
             value_cache.detach().numpy(),
@@ -190,14 +226,20 @@ class NumbaCpuAttentionBackend(AttentionBackend):
             _as_int32(metadata.block_tables),
             np.float32(scale),
             output.numpy(),
-            numba.get_num_threads(),
         )
-        _warn_once_if_slow_threading_layer()
+        num_tokens, num_heads, head_dim = query.shape
+        if num_tokens * metadata.max_context_len * num_heads * head_dim <= SERIAL_WORK_LIMIT:
+            paged_attention_kernel_serial(*arrays)
+        else:
+            paged_attention_kernel(*arrays, numba.get_num_threads())
+            _warn_once_if_slow_threading_layer()
         return output
 
 
 def _as_int32(index: torch.Tensor) -> np.ndarray:
-    return index.to(torch.int32).contiguous().numpy()
+    if index.dtype != torch.int32 or not index.is_contiguous():  # as the contract says
+        index = index.to(torch.int32).contiguous()
+    return index.numpy()
 
 
 _layer_checked = False
@@ -219,4 +261,4 @@ def _warn_once_if_slow_threading_layer() -> None:
         )
 
 
-__all__ = ["NumbaCpuAttentionBackend", "paged_attention_kernel"]
+__all__ = ["NumbaCpuAttentionBackend", "paged_attention_kernel", "paged_attention_kernel_serial"]

@@ -35,6 +35,7 @@ except ImportError as error:  # tests/test_attention_registry.py hides numba to 
     ) from error
 
 from minivllm.attention.backend import AttentionBackend, AttentionMetadata
+from minivllm.utils import cdiv
 
 
 def simulator_enabled() -> bool:
@@ -212,7 +213,7 @@ class NumbaCudaAttentionBackend(AttentionBackend):
         output = torch.empty_like(query, memory_format=torch.contiguous_format)
         if num_tokens == 0:
             return output
-        kernel = build_kernel(self.threads, -(-head_dim // self.threads))
+        kernel = build_kernel(self.threads, cdiv(head_dim, self.threads))
         args = (
             query,
             key_cache,

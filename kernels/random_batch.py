@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.attention import AttentionMetadata
+from minivllm.utils import cdiv
 
 # SmolLM2-135M's attention: 9 query heads sharing 3 kv heads, head_dim 64.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -25,7 +26,7 @@ def random_paged_step(
     """``(query, key_cache, value_cache, metadata)``: sequence ``i`` has ``context_lens[i]``
     tokens in the cache, of which the last ``query_lens[i]`` are this step's queries."""
     generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in context_lens]
+    blocks_per_seq = [cdiv(n, BLOCK_SIZE) for n in context_lens]
     block_ids = torch.randperm(sum(blocks_per_seq), generator=generator)
     tables = torch.zeros(len(context_lens), max(blocks_per_seq), dtype=torch.int32)
     start = 0

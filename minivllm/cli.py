@@ -1,60 +1,18 @@
-"""The ``minivllm`` command: ``minivllm generate ...`` (and ``minivllm bench ...``)."""
+"""The ``minivllm`` command: ``minivllm generate ...`` (and ``minivllm bench ...``,
+``minivllm simulate ...``, ``minivllm serve ...``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by every subcommand that builds an engine (`EngineConfig` fields)."""
-    from minivllm.attention import available_backends
-
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="local HF checkpoint (default: bundled SmolLM2)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=["auto", *available_backends()],
-        help="auto: numba-cpu on CPU when numba is installed, else torch (the reference)",
-    )
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--enable-prefix-caching", action="store_true")
-    g.add_argument(
-        "--policy",
-        default="continuous",
-        help="scheduling policy: continuous or static (bench: a comma-separated list)",
-    )
-
-
-def engine_config_from_args(args: argparse.Namespace):
-    from minivllm.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.policy,
-    )
+from minivllm import arg_types
+from minivllm.config import EngineConfig
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from minivllm import LLMEngine, RequestOutputKind, SamplingParams
+    from minivllm import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
+    from minivllm.chat import chat_prompt
 
     params = SamplingParams(
         temperature=args.temperature,
@@ -67,14 +25,10 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         output_kind=RequestOutputKind.DELTA,
     )
-    engine = LLMEngine(engine_config_from_args(args))
-    tokenizer = engine.tokenizer
+    engine = LLMEngine(EngineConfig.from_cli_args(args))
     for i, prompt in enumerate(args.prompts):
         if args.chat:
-            prompt = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-            prompt = {"prompt": prompt, "prompt_token_ids": tokenizer(prompt).input_ids}
+            prompt = chat_prompt(engine.get_tokenizer(), [{"role": "user", "content": prompt}])
         engine.add_request(str(i), prompt, params)
 
     # All prompts run together as one continuous batch; text streams in as it is made.
@@ -102,29 +56,65 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompts", nargs="+", help="prompt text(s); several run as one batch")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
+    # Types parse and refuse what no setting accepts; SamplingParams checks the ranges.
+    gen.add_argument("--max-tokens", type=arg_types.positive_int, default=64)
+    gen.add_argument(
+        "--temperature", type=arg_types.finite_float, default=0.0, help="0 = greedy (default)"
+    )
+    gen.add_argument("--top-p", type=arg_types.finite_float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--min-p", type=arg_types.finite_float, default=0.0)
+    gen.add_argument("--sampling-seed", type=arg_types.seed, default=None, help="per-request seed")
+    gen.add_argument(
+        "--stop",
+        type=arg_types.non_empty_str,
+        action="append",
+        default=None,
+        help="stop string (repeatable)",
+    )
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    add_engine_arguments(gen)
+    EngineConfig.add_cli_args(gen)
     gen.set_defaults(func=_generate)
 
     from minivllm.bench.command import add_bench_arguments, run_bench
 
     bench = sub.add_parser("bench", help="measure static vs continuous batching on one workload")
     add_bench_arguments(bench)
-    add_engine_arguments(bench)
-    bench.set_defaults(func=run_bench, policy="static,continuous")  # the comparison
+    EngineConfig.add_cli_args(bench, exclude=("scheduling_policy",))  # --policy: a list
+    bench.set_defaults(func=run_bench)
+
+    from minivllm.simulator.command import add_simulate_arguments, run_simulate
+
+    sim = sub.add_parser(
+        "simulate", help="the real schedulers on simulated hardware (a roofline cost model)"
+    )
+    add_simulate_arguments(sim)
+    sim.set_defaults(func=run_simulate)
+
+    from minivllm.entrypoints.openai.cli_args import add_server_arguments
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (like `vllm serve`)")
+    add_server_arguments(serve)
+    EngineConfig.add_cli_args(serve)
+    serve.set_defaults(func=_serve)
     return parser
 
 
+def _serve(args: argparse.Namespace) -> int:
+    config = EngineConfig.from_cli_args(args)  # bad options fail before the model loads
+    try:
+        from minivllm.entrypoints.openai.api_server import run_serve
+    except ImportError as e:
+        raise ValueError(f"{e}: minivllm serve needs pip install 'minivllm[serve]'") from e
+    return run_serve(args, config)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a bad flag: argparse has said why
+        return e.code
     try:
         return args.func(args)
     except ValueError as e:  # bad input: one clear line, not a traceback

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from minivllm import arg_types
+from minivllm.sampling_params import SEED_RANGE
+from minivllm.utils import as_int
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -27,29 +33,50 @@ class EngineConfig:
     limit, capped by what the cache can hold.
     """
 
-    model: str | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    attention_backend: str = "auto"
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
+    model: str | None = field(
+        default=None, metadata={"help": "local HF checkpoint (default: the bundled SmolLM2)"}
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    num_kv_blocks: int | None = field(
+        default=None, metadata={"help": "KV blocks (default: from --kv-cache-memory-bytes)"}
+    )
+    kv_cache_memory_bytes: int = field(
+        default=DEFAULT_KV_CACHE_BYTES, metadata={"help": "memory for the KV cache"}
+    )
+    max_num_seqs: int = field(default=64, metadata={"help": "most requests in one step"})
+    max_num_batched_tokens: int = field(
+        default=512, metadata={"help": "token budget of one step (chunked prefill)"}
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "longest prompt + output (default: model's limit)"}
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata={"help": "auto: numba-cpu on CPU when numba is installed, else torch"},
+    )
+    dtype: str = field(default="auto", metadata={"choices": ("auto", *DTYPES)})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
+    seed: int = field(
+        default=0, metadata={"help": "seeds requests that bring no seed", "type": arg_types.seed}
+    )
     enable_prefix_caching: bool = False
-    scheduling_policy: str = "continuous"
+    scheduling_policy: str = field(
+        default="continuous",
+        metadata={"choices": SCHEDULING_POLICIES, "aliases": ("--policy",)},
+    )
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes")
+        for name in positive:
+            if not _is_positive_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         for name in ("num_kv_blocks", "max_model_len"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and not _is_positive_int(value):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        self.seed = as_int("seed", self.seed)
+        if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, {', '.join(DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -106,3 +133,41 @@ class EngineConfig:
         if on_cpu_fp32 and importlib.util.find_spec("numba") is not None:
             return "numba-cpu"
         return "torch"
+
+    # --- the command line (vLLM's EngineArgs.add_cli_args / from_cli_args) --------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+        """One ``--flag`` per field, with its default and help from the field itself. Int
+        flags take positive ints (the seed: any 64-bit int)."""
+        from minivllm.attention import available_backends
+
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            if f.name in exclude:
+                continue
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+            options = {"default": f.default, "help": f.metadata.get("help")}
+            if f.type == "bool":
+                options["action"] = argparse.BooleanOptionalAction
+            elif "type" in f.metadata:
+                options["type"] = f.metadata["type"]
+            else:
+                options["type"] = arg_types.positive_int if f.type.startswith("int") else str
+            if f.name == "attention_backend":
+                options["choices"] = ("auto", *available_backends())
+            elif "choices" in f.metadata:
+                options["choices"] = f.metadata["choices"]
+            group.add_argument(*flags, dest=f.name, **options)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides) -> EngineConfig:
+        """The config the parsed flags describe, with ``overrides`` on top."""
+        values = {
+            f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
+        }
+        return cls(**(values | overrides))
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -1,56 +1,127 @@
-"""Incremental detokenization and stop strings.
+"""Incremental detokenization and stop strings, on vLLM's rules.
 
-Text is re-decoded from all output tokens each time (cheap at these lengths, and always
-exactly ``tokenizer.decode(token_ids)``). A trailing U+FFFD means the last token ended
-mid-character, so streaming holds those characters back until the next token completes
-them.
+``output_text`` only grows, one token at a time (it is cut once, at a stop string):
+each new token's text is the decode of a short window of tokens ending at it, minus the
+decode of the same window without it. The window gives a token its context (a leading
+space, the rest of a multi-byte character) without re-decoding the whole output. While
+the text ends mid-character (a byte-level tokenizer splits a CJK character or an emoji
+over several tokens, and decoding the first part gives U+FFFD), nothing is added: the
+character arrives whole with the token that completes it.
+
+Stop strings are searched only in that completed text, and only where a match can end
+in text the last token added (it may start earlier). Text made before ``min_tokens``
+tokens is never searched. Streaming holds back the last ``len(longest stop) - 1``
+characters while stop strings are active: they may turn out to be the start of a stop
+string, which must never reach the user.
 """
 
 from __future__ import annotations
 
 from minivllm.sampling_params import SamplingParams
 
+INCOMPLETE = "\ufffd"  # what decoding gives for the bytes of an unfinished character
+
 
 class Detokenizer:
     def __init__(self, tokenizer, params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.params = params
-        self.text = ""
-        self.num_streamed_chars = 0  # how much of `text` DELTA outputs already sent
-        self.num_streamed_tokens = 0
+        self.output_text = ""
+        self.token_ids: list[int] = []  # the tokens whose text counts
+        self.num_output_tokens = 0  # all of them, a stop token's too
+        self.stop_string: str | None = None  # the stop string that fired, if any
+        # Decoding window: tokens [prefix_offset, read_offset) are already in output_text.
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._stop_check_offset = 0  # a stop string must end after this character
+        self._hold_back = (
+            max(map(len, params.stop)) - 1
+            if params.stop and not params.include_stop_str_in_output
+            else 0
+        )
+        self._num_streamed_chars = 0  # for RequestOutputKind.DELTA
+        self._num_streamed_tokens = 0
 
-    def update(self, output_token_ids: list[int]) -> str | None:
-        """Decode the outputs so far; returns the stop string that fired, if any, and then
-        ``text`` ends at it (or just after it, with ``include_stop_str_in_output``)."""
+    def update(self, token_id: int, stopped_by_token: bool = False) -> str | None:
+        """Add one output token; returns the stop string it completed, if any (then
+        ``output_text`` ends at it, or just after it with ``include_stop_str_in_output``).
+
+        ``stopped_by_token``: the token is EOS or a stop token id that ends the request;
+        as in vLLM its text is left out unless ``include_stop_str_in_output``."""
+        self.num_output_tokens += 1
         if self.tokenizer is None:
             return None
-        previous_len = len(self.text)
-        self.text = self.tokenizer.decode(
-            output_token_ids, skip_special_tokens=self.params.skip_special_tokens
-        )
-        return self._find_stop_string(previous_len)
+        if stopped_by_token and not self.params.include_stop_str_in_output:
+            return None
+        self.token_ids.append(token_id)
+        self.output_text += self._decode_next()
+        if self.num_output_tokens <= self.params.min_tokens or stopped_by_token:
+            self._stop_check_offset = len(self.output_text)
+            return None
+        return self._find_stop_string()
 
-    def _find_stop_string(self, previous_len: int) -> str | None:
-        best: tuple[int, str] | None = None
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def _decode_next(self) -> str:
+        """The text the newest token completes ("" while a character is unfinished)."""
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.token_ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(INCOMPLETE):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        return new_text[len(prefix_text) :]
+
+    def _find_stop_string(self) -> str | None:
+        text, num_new_chars = self.output_text, len(self.output_text) - self._stop_check_offset
+        self._stop_check_offset = len(text)
+        if num_new_chars == 0:
+            return None
+        include = self.params.include_stop_str_in_output
+        best: tuple[int, int, str] | None = None  # (where the text is cut, start, stop)
         for stop in self.params.stop:
-            # Only text that is new (plus an overlap the stop could straddle) can match.
-            at = self.text.find(stop, max(0, previous_len - len(stop) + 1))
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, stop)
+            # The earliest match that ends in the new characters.
+            start = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
+            if start == -1:
+                continue
+            cut = start + len(stop) if include else start
+            if best is None or cut < best[0]:
+                best = (cut, start, stop)
         if best is None:
             return None
-        at, stop = best
-        self.text = self.text[: at + len(stop) if self.params.include_stop_str_in_output else at]
-        return stop
+        cut, _, self.stop_string = best
+        self.output_text = text[:cut]
+        return self.stop_string
 
-    def stable_text(self, finished: bool) -> str:
-        """The text safe to show: without a trailing incomplete character unless done."""
-        return self.text if finished else self.text.rstrip("\ufffd")
+    def finish(self) -> str | None:
+        """The request ends: add what an unfinished last character held back (as U+FFFD,
+        like a plain decode) and return the stop string that text completes, if any (or
+        the one that already fired)."""
+        if self.tokenizer is None or self.stop_string is not None:
+            return self.stop_string
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.token_ids[self._prefix_offset :])
+        self.output_text += new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        if self.num_output_tokens <= self.params.min_tokens:
+            return None
+        return self._find_stop_string()
+
+    def text_to_show(self, finished: bool) -> str:
+        """All the text the user may see now: not the held-back tail until the end."""
+        if finished or not self._hold_back:
+            return self.output_text
+        return self.output_text[: max(0, len(self.output_text) - self._hold_back)]
 
     def take_delta(self, output_token_ids: list[int], finished: bool) -> tuple[str, list[int]]:
         """Text and token ids not yet streamed (for ``RequestOutputKind.DELTA``)."""
-        text = self.stable_text(finished)
-        delta_text = text[self.num_streamed_chars :]
-        delta_ids = output_token_ids[self.num_streamed_tokens :]
-        self.num_streamed_chars, self.num_streamed_tokens = len(text), len(output_token_ids)
+        text = self.text_to_show(finished)
+        # A stop string never cuts into streamed text: the hold-back is long enough.
+        delta_text = text[self._num_streamed_chars :]
+        delta_ids = output_token_ids[self._num_streamed_tokens :]
+        self._num_streamed_chars = max(self._num_streamed_chars, len(text))
+        self._num_streamed_tokens = len(output_token_ids)
         return delta_text, delta_ids
+
+    def has_unstreamed_tokens(self, output_token_ids: list[int]) -> bool:
+        return len(output_token_ids) > self._num_streamed_tokens

@@ -32,10 +32,7 @@ from dataclasses import dataclass
 
 from minivllm.block_allocator import BlockAllocator
 from minivllm.sequence import Sequence
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from minivllm.utils import cdiv
 
 
 def hash_block_tokens(parent_hash: bytes, token_ids: list[int]) -> bytes:

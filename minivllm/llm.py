@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from tqdm import tqdm  # plain text bar: works in terminals and notebooks alike
 
+from minivllm.chat import chat_prompt
 from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine, Prompt
+from minivllm.engine import LLMEngine
+from minivllm.input_processor import Prompt
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -24,7 +26,7 @@ class LLM:
         self._request_counter = 0
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        return self.llm_engine.get_tokenizer()
 
     def generate(
         self,
@@ -69,17 +71,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, formatted with the
         tokenizer's chat template (``[{"role": "user", "content": "..."}]``)."""
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None or tokenizer.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=True
-            )
-            ids = tokenizer(text, add_special_tokens=False).input_ids
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        prompts = [chat_prompt(self.get_tokenizer(), c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

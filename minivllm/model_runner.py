@@ -3,9 +3,9 @@
 Per step the runner builds, once, the tensors every layer shares: input token ids and
 positions for all scheduled tokens back to back, the cache slot each new token's K/V goes
 to, and the attention metadata (query/context lengths, block tables). It samples only at
-each sequence's last scheduled position, and only for sequences whose chunk reaches the
-end of their known tokens (a prefill chunk in the middle of a prompt has nothing to say).
-Static batching's padding rows ride along after the real ones: computed, never sampled.
+each chunk's last row, and only for chunks the scheduler marked to sample (a prefill
+chunk in the middle of a prompt has nothing to say). It reads nothing but the chunks: why
+a chunk is there is the scheduler's business.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ import torch
 
 from minivllm.attention import AttentionMetadata
 from minivllm.models.llama import CausalLM
+from minivllm.outputs import ModelRunnerOutput
 from minivllm.sampler import Sampler
-from minivllm.scheduler import SchedulerOutput
-from minivllm.sequence import Sequence
-
-PAD_TOKEN_ID = 0  # what padding rows feed the model; their outputs are thrown away
+from minivllm.scheduler_output import SchedulerOutput
 
 
 class ModelRunner:
@@ -29,6 +27,7 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -42,25 +41,17 @@ class ModelRunner:
             config.num_layers, 2, num_kv_blocks, block_size, config.num_kv_heads, config.head_dim,
             dtype=dtype, device=device,
         )  # fmt: skip
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids)  # masks EOS before min_tokens
 
     def prepare_inputs(
-        self, scheduled: SchedulerOutput
+        self, scheduler_output: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """input_ids ``[num_tokens]``, positions ``[num_tokens]`` and the step's metadata."""
-        input_ids: list[int] = []
-        start_positions: list[int] = []
-        query_len_list = list(scheduled.num_new_tokens)
-        block_table_list = [seq.block_table for seq in scheduled.seqs]
-        for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens):
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start : start + num_new]
-            start_positions.append(start)
-        for rows in scheduled.padding:  # to attention, each padding run is one more sequence
-            input_ids += [PAD_TOKEN_ID] * rows.num_tokens
-            start_positions.append(rows.start_position)
-            query_len_list.append(rows.num_tokens)
-            block_table_list.append(rows.seq.block_table)
+        chunks = scheduler_output.chunks
+        input_ids = [token for chunk in chunks for token in chunk.token_ids]
+        start_positions = [chunk.start_position for chunk in chunks]
+        query_len_list = [len(chunk.token_ids) for chunk in chunks]
+        block_table_list = [chunk.block_table for chunk in chunks]
 
         query_lens = torch.tensor(query_len_list, dtype=torch.int32)
         context_lens = torch.tensor(start_positions, dtype=torch.int32) + query_lens
@@ -68,7 +59,7 @@ class ModelRunner:
         torch.cumsum(query_lens, dim=0, out=cu_seqlens_q[1:])
 
         max_blocks = max(len(table) for table in block_table_list)
-        block_tables = torch.tensor(  # padded with block 0, never read past context_len
+        block_tables = torch.tensor(  # short rows filled with block 0, never read past context_len
             [table + [0] * (max_blocks - len(table)) for table in block_table_list],
             dtype=torch.int32,
         )
@@ -93,18 +84,16 @@ class ModelRunner:
         return torch.tensor(input_ids).to(**to), positions.to(**to), metadata
 
     @torch.inference_mode()
-    def execute(self, scheduled: SchedulerOutput) -> dict[Sequence, int]:
-        """Run one step; returns the token sampled for each sequence that samples."""
-        input_ids, positions, metadata = self.prepare_inputs(scheduled)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; returns the token sampled for each chunk that samples."""
+        input_ids, positions, metadata = self.prepare_inputs(scheduler_output)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
 
-        sampling_seqs, last_rows = [], []
-        ends = metadata.cu_seqlens_q[1:].tolist()  # zip stops before the padding rows
-        for seq, num_new, end in zip(scheduled.seqs, scheduled.num_new_tokens, ends):
-            if seq.num_computed_tokens + num_new == seq.num_tokens:
-                sampling_seqs.append(seq)
-                last_rows.append(end - 1)
-        if not sampling_seqs:
-            return {}
-        logits = self.model.compute_logits(hidden[last_rows])
-        return dict(zip(sampling_seqs, self.sampler(logits, sampling_seqs)))
+        ends = metadata.cu_seqlens_q[1:].tolist()
+        sampling = [(c, end - 1) for c, end in zip(scheduler_output.chunks, ends) if c.sample]
+        if not sampling:
+            return ModelRunnerOutput()
+        chunks, last_rows = zip(*sampling)
+        logits = self.model.compute_logits(hidden[list(last_rows)])
+        tokens = self.sampler(logits, list(chunks))
+        return ModelRunnerOutput({c.request_id: [t] for c, t in zip(chunks, tokens)})

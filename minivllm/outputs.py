@@ -30,3 +30,12 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache, not computed
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one executed step hands back to the engine (vLLM's ``ModelRunnerOutput``):
+    the tokens sampled for each request that sampled. A list per request, since a step
+    may produce several tokens for one request (speculative decoding does)."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -10,19 +10,29 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.scheduler_output import ScheduledChunk
 from minivllm.sequence import Sequence
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits ``[num_seqs, vocab_size]``, one row per sequence that samples now."""
-        logits = logits.float()
+    """``eos_token_ids``: masked, with each request's stop token ids, until the request
+    has ``min_tokens`` outputs (vLLM's min-tokens logits processor)."""
+
+    def __init__(self, eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.eos_token_ids = eos_token_ids
+
+    def __call__(self, logits: torch.Tensor, seqs: list[ScheduledChunk | Sequence]) -> list[int]:
+        """logits ``[num_seqs, vocab_size]``, one row per request that samples now; each
+        row's ``sampling_params``, ``generator`` and ``num_output_tokens`` (so far)."""
+        logits = self._mask_stops_before_min_tokens(logits.float(), seqs)
         greedy_tokens = logits.argmax(dim=-1)
         params = [seq.sampling_params for seq in seqs]
         if all(p.greedy for p in params):
             return greedy_tokens.tolist()
 
-        temperatures = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+        temperatures = torch.tensor(
+            [1.0 if p.greedy else p.temperature for p in params], device=logits.device
+        )
         logits = logits / temperatures[:, None]
         if any(p.top_k > 0 for p in params):
             logits = _apply_top_k(logits, [p.top_k for p in params])
@@ -39,6 +49,27 @@ class Sampler:
         sampled_tokens = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         return torch.where(is_greedy, greedy_tokens, sampled_tokens).tolist()
+
+    def _mask_stops_before_min_tokens(
+        self, logits: torch.Tensor, seqs: list[ScheduledChunk | Sequence]
+    ) -> torch.Tensor:
+        """EOS (unless ignored) and stop token ids get probability 0 in each row whose
+        request has fewer than ``min_tokens`` outputs."""
+        vocab_size = logits.shape[-1]
+        banned_per_row = {}
+        for row, seq in enumerate(seqs):
+            params = seq.sampling_params
+            if seq.num_output_tokens < params.min_tokens:
+                stops = set(params.stop_token_ids) | (
+                    set() if params.ignore_eos else self.eos_token_ids
+                )
+                banned_per_row[row] = [t for t in stops if t < vocab_size]
+        if not any(banned_per_row.values()):
+            return logits
+        logits = logits.clone()  # the caller's tensor stays as the model made it
+        for row, banned in banned_per_row.items():
+            logits[row, banned] = float("-inf")
+        return logits
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

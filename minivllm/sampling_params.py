@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass
+
+from minivllm.utils import as_int
+
+# Below this temperature a request is greedy (vLLM's ``_SAMPLING_EPS``): dividing logits
+# by a tinier one overflows float32 to inf, and softmax then returns NaN.
+SAMPLING_EPS = 1e-5
+# What torch.Generator.manual_seed accepts: any 64-bit value, signed or unsigned.
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 class RequestOutputKind(enum.Enum):
@@ -18,9 +28,12 @@ class RequestOutputKind(enum.Enum):
 class SamplingParams:
     """Sampling and stopping settings for one request.
 
-    ``temperature=0`` means greedy. ``top_k=0`` (or -1), ``top_p=1`` and ``min_p=0``
-    switch those filters off. ``seed`` makes this request's random choices reproducible
-    whatever else shares its batch. Invalid values raise ValueError at construction.
+    ``temperature=0`` (anything below ``SAMPLING_EPS``) means greedy. ``top_k=0`` (or -1),
+    ``top_p=1`` and ``min_p=0`` switch those filters off. ``seed`` makes this request's
+    random choices reproducible whatever else shares its batch. ``min_tokens``: no stop
+    (EOS, stop ids, stop strings) before that many tokens; EOS and stop ids are not even
+    sampled. Invalid values raise
+    ValueError at construction; integer fields accept numpy and torch integers too.
     """
 
     n: int = 1
@@ -41,20 +54,34 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name), list | tuple | None):
+                raise ValueError(f"{name} must be a list, got {getattr(self, name)!r}")
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = [as_int("stop_token_ids", t) for t in self.stop_token_ids or []]
+        self.n, self.top_k, self.min_tokens = (
+            as_int(name, getattr(self, name)) for name in ("n", "top_k", "min_tokens")
+        )
+        if self.max_tokens is not None:
+            self.max_tokens = as_int("max_tokens", self.max_tokens)
+        if self.seed is not None:
+            self.seed = as_int("seed", self.seed)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
 
     def _validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         if self.n != 1:
             raise ValueError(f"n must be 1 (parallel sampling is not implemented), got {self.n}")
-        if not self.temperature >= 0:  # also catches NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # also catches NaN
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if self.top_k < 0:
             raise ValueError(
                 f"top_k must be 0 or -1 (disabled) or a positive int, got {self.top_k}"
             )
@@ -70,13 +97,15 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
             )
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS

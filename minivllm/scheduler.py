@@ -14,82 +14,43 @@ recomputed (prompt and output so far) when there is room again.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
 from minivllm.kv_cache_manager import KVCacheManager
+from minivllm.outputs import ModelRunnerOutput
+from minivllm.scheduler_output import SchedulerOutput
 from minivllm.sequence import FinishReason, Sequence, SequenceStatus
 
 
-@dataclass
-class PaddingRows:
-    """Token rows computed only to be thrown away: static batching's waste.
-
-    ``num_tokens`` rows at positions ``start_position, start_position + 1, ...`` go through
-    the model and attention like a chunk of ``seq``, in ``seq``'s KV region, but nothing is
-    sampled from them. Only `StaticBatchScheduler` makes them: ``seq`` is the batch member
-    whose slot they fill (a prompt shorter than the longest, or a request already done)."""
-
-    seq: Sequence
-    start_position: int
-    num_tokens: int
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step computes: ``num_new_tokens[i]`` tokens of ``seqs[i]``, starting at
-    its ``num_computed_tokens``, then the ``padding`` rows (static batching only)."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    # Whether each chunk catches up on known tokens (prefill) or computes the one token
-    # just sampled (decode); fixed when scheduled, as the sequence moves on after the step.
-    is_prefill: list[bool] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    padding: list[PaddingRows] = field(default_factory=list)
-
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
-        self.seqs.append(seq)
-        self.num_new_tokens.append(num_new_tokens)
-        self.is_prefill.append(seq.is_prefill)
-
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(n for n, prefill in zip(self.num_new_tokens, self.is_prefill) if not prefill)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return self.total_num_tokens - self.num_decode_tokens
-
-    @property
-    def num_padding_tokens(self) -> int:
-        return sum(rows.num_tokens for rows in self.padding)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-
 class Scheduler:
+    """``num_computed_tokens`` advances in `update_from_output`, after the step ran: until
+    then the scheduled tokens' keys and values are not in the cache. (vLLM advances it
+    when scheduling, so that it can schedule the next step while this one runs.)"""
+
     def __init__(
-        self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        clock=time.perf_counter,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.clock = clock
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first, so running[-1] is the newest
+        self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add_request(self, seq: Sequence) -> None:
+        self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -130,18 +91,22 @@ class Scheduler:
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.running.append(seq)
-            if seq.status is SequenceStatus.WAITING:
+            if seq.status is SequenceStatus.WAITING:  # first admission, not a readmission
                 seq.num_cached_tokens = num_cached
+                seq.metrics.first_scheduled_time = self.clock()
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached
             out.add(seq, num_new)
             budget -= num_new
         return out
 
-    def update_computed(self, scheduled: SchedulerOutput) -> None:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> None:
         """After the model ran: the scheduled tokens' keys and values are in the cache, and
         the blocks they filled can be shared by later requests (prefix caching)."""
-        for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens):
+        for seq in scheduler_output.scheduled_seqs:
+            num_new = scheduler_output.num_scheduled_tokens[seq.request_id]
             seq.num_computed_tokens += num_new
             self.kv_cache_manager.cache_full_blocks(seq, num_new)
 
@@ -153,11 +118,18 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: FinishReason, now: float, stop_reason=None) -> None:
-        """Take ``seq`` out of its queue, give its blocks back and mark it finished."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.kv_cache_manager.free(seq)
-        seq.finish(reason, now, stop_reason)
+    def finish_requests(
+        self, request_ids: str | Iterable[str], reason: FinishReason, stop_reason=None
+    ) -> None:
+        """Take each request out of its queue, give its blocks back, mark it finished."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        now = self.clock()
+        for request_id in request_ids:
+            seq = self.requests.pop(request_id)
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
+            self.kv_cache_manager.free(seq)
+            seq.finish(reason, now, stop_reason)

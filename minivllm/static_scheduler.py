@@ -12,45 +12,58 @@ model code, batch-size cap and attention backend (``scheduling_policy="static"``
   batch decodes in lockstep until its longest request ends. A member that finished early
   keeps its slot and keeps burning one padding row per step.
 
-Padding rows really run through the model and attention (`PaddingRows`); they are not a
-sleep. Prompts are padded on the right: the padding's keys/values land in the request's
-own region at positions it has not reached yet and are overwritten before any real token
-can attend to them, so no attention mask is needed. (A left-padded server also attends
-over the padding keys; this version is, if anything, slightly cheaper than the real thing.)
+Padding rows really run through the model and attention (chunks of `PAD_TOKEN_ID` that
+advance no request); they are not a sleep. Prompts are padded on the right: the padding's
+keys/values land in the request's own region at positions it has not reached yet and are
+overwritten before any real token can attend to them, so no attention mask is needed. (A
+left-padded server also attends over the padding keys; this version is, if anything,
+slightly cheaper than the real thing.)
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Iterable
 
 from minivllm.kv_cache_manager import KVCacheManager
-from minivllm.scheduler import PaddingRows, SchedulerOutput
+from minivllm.outputs import ModelRunnerOutput
+from minivllm.scheduler_output import ScheduledChunk, SchedulerOutput
 from minivllm.sequence import FinishReason, Sequence, SequenceStatus
+
+PAD_TOKEN_ID = 0  # what padding rows feed the model; their outputs are thrown away
 
 
 class StaticBatchScheduler:
-    """Same interface as `Scheduler`: `add`, `schedule`, `update_computed`, `finish`,
-    `has_unfinished`. ``running`` is the current batch, finished members included: their
-    slots stay occupied (and padded) until the whole batch ends."""
+    """Same interface as `Scheduler` (`SchedulerInterface`). ``running`` is the current
+    batch, finished members included: their slots stay occupied (and padded) until the
+    whole batch ends."""
 
     def __init__(
-        self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_model_len: int
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_model_len: int,
+        clock=time.perf_counter,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.clock = clock
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.blocks_per_request = kv_cache_manager.num_blocks_needed(max_model_len)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}  # unfinished ones
         self.num_decode_steps = 0  # lockstep decode steps since the batch's prefill
         self.num_batches = 0
         self.num_preemptions = 0  # every request has its full region: never preempts
 
-    def add(self, seq: Sequence) -> None:
+    def add_request(self, seq: Sequence) -> None:
+        self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting) or any(not seq.is_finished for seq in self.running)
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
         if not self.running:
@@ -70,6 +83,7 @@ class StaticBatchScheduler:
             reserved = self.kv_cache_manager.allocate_slots(seq, self.max_model_len)
             assert reserved, "checked above: a whole region is free"
             seq.status = SequenceStatus.RUNNING
+            seq.metrics.first_scheduled_time = self.clock()
             self.running.append(seq)
         out = SchedulerOutput()
         if not self.running:
@@ -80,8 +94,7 @@ class StaticBatchScheduler:
         for seq in self.running:
             out.add(seq, seq.num_tokens)
             if seq.num_tokens < padded_len:
-                padding = padded_len - seq.num_tokens
-                out.padding.append(PaddingRows(seq, seq.num_tokens, padding))
+                self._add_padding(out, seq, seq.num_tokens, padded_len - seq.num_tokens)
         return out
 
     def _decode_batch(self) -> SchedulerOutput:
@@ -96,21 +109,37 @@ class StaticBatchScheduler:
             # Where this slot would be had it kept generating; it stays inside its region.
             position = seq.num_prompt_tokens + self.num_decode_steps - 1
             position = min(position, self.max_model_len - 1)
-            out.padding.append(PaddingRows(seq, position, 1))
+            self._add_padding(out, seq, position, 1)
         return out
 
-    def update_computed(self, scheduled: SchedulerOutput) -> None:
-        """After the model ran: the scheduled tokens' keys and values are in the cache."""
-        for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens):
-            seq.num_computed_tokens += num_new
+    def _add_padding(self, out: SchedulerOutput, seq: Sequence, position: int, n: int) -> None:
+        """``n`` rows at ``position...`` in ``seq``'s region, computed and thrown away. To
+        attention they are one more sequence; they advance nobody and sample nothing."""
+        padding = [PAD_TOKEN_ID] * n
+        chunk = ScheduledChunk(seq.request_id, padding, position, seq.block_table, sample=False)
+        out.chunks.append(chunk)
 
-    def finish(self, seq: Sequence, reason: FinishReason, now: float, stop_reason=None) -> None:
-        """Mark ``seq`` finished. Its slot and region stay with the batch; when the last
-        member finishes, the batch ends and every region goes back to the pool."""
-        if seq in self.waiting:  # aborted before its batch started
-            self.waiting.remove(seq)
-        seq.finish(reason, now, stop_reason)
-        if all(member.is_finished for member in self.running):
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> None:
+        """After the model ran: the scheduled tokens' keys and values are in the cache."""
+        for seq in scheduler_output.scheduled_seqs:
+            seq.num_computed_tokens += scheduler_output.num_scheduled_tokens[seq.request_id]
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], reason: FinishReason, stop_reason=None
+    ) -> None:
+        """Mark requests finished. Their slots and regions stay with the batch; when the
+        last member finishes, the batch ends and every region goes back to the pool."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        now = self.clock()
+        for request_id in request_ids:
+            seq = self.requests.pop(request_id)
+            if seq.status is not SequenceStatus.RUNNING:  # aborted before its batch started
+                self.waiting.remove(seq)
+            seq.finish(reason, now, stop_reason)
+        if self.running and all(member.is_finished for member in self.running):
             self._end_batch()
 
     def _end_batch(self) -> None:

@@ -283,7 +283,7 @@ for block_size in (1, 4, 16, 64, 256):
 import json  # noqa: E402
 
 from minivllm.config import DEFAULT_KV_CACHE_BYTES  # noqa: E402
-from minivllm.model_files import default_model_path  # noqa: E402
+from minivllm.models.model_files import default_model_path  # noqa: E402
 
 config = json.loads((default_model_path() / "config.json").read_text())
 bytes_per_token = (

@@ -37,7 +37,7 @@ print(f"SmolLM2 loaded in {time.perf_counter() - start:.1f} s; "
 # decoding (`temperature=0`) makes the run reproducible.
 
 # %%
-tokenizer = engine.tokenizer
+tokenizer = engine.get_tokenizer()
 
 
 def chat_prompt(question: str) -> dict:
@@ -66,11 +66,12 @@ for rid, prompt in prompts.items():
 # ## The loop
 #
 # After each `engine.step()`, `engine.last_step` is the scheduler's decision for that step
-# (a `SchedulerOutput`): the sequences it ran (`seqs`), how many tokens of each
-# (`num_new_tokens`), whether each chunk was a *prefill* (catching up on known tokens, the
+# (a `SchedulerOutput`): one `ScheduledChunk` per request it ran (`chunks`: the token ids,
+# the position of the first, the block table), how many tokens of each request
+# (`num_scheduled_tokens`), whether each was a *prefill* (catching up on known tokens, the
 # prompt) or a *decode* (the one token sampled last step) in `is_prefill`, and any
-# sequence it `preempted`. A chunk covers tokens `start .. start + num_new - 1`, where
-# `start` was the sequence's `num_computed_tokens` before the step.
+# sequence it `preempted`. A chunk covers positions `start_position ..
+# start_position + len(token_ids) - 1`.
 #
 # A and B arrive first. C arrives before step 4, D before step 6.
 
@@ -79,22 +80,20 @@ for rid, prompt in prompts.items():
 def describe(step: int) -> dict:
     scheduled = engine.last_step
     parts = []
-    for seq, num_new, is_prefill in zip(
-        scheduled.seqs, scheduled.num_new_tokens, scheduled.is_prefill
-    ):
-        start = seq.num_computed_tokens - num_new  # update_computed already advanced it
-        if is_prefill:
-            parts.append(f"{seq.request_id} prefill {start}..{start + num_new - 1}")
+    for chunk in scheduled.chunks:
+        start, end = chunk.start_position, chunk.context_len - 1
+        if scheduled.is_prefill[chunk.request_id]:
+            parts.append(f"{chunk.request_id} prefill {start}..{end}")
         else:
-            parts.append(f"{seq.request_id} decode")
+            parts.append(f"{chunk.request_id} decode")
     stats = engine.stats()
-    print(f"step {step:2d} | {scheduled.total_num_tokens:2d} tokens | "
+    print(f"step {step:2d} | {scheduled.total_num_scheduled_tokens:2d} tokens | "
           f"running {stats['num_running']} waiting {stats['num_waiting']} | "
           f"free blocks {stats['num_free_blocks']:2d} | " + ", ".join(parts))  # fmt: skip
     return {
         "prefill": scheduled.num_prefill_tokens,
         "decode": scheduled.num_decode_tokens,
-        "seqs": len(scheduled.seqs),
+        "seqs": len(scheduled.chunks),
         "waiting": stats["num_waiting"],
     }
 
@@ -175,16 +174,16 @@ assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
 # step mixes decodes with a prefill chunk.
 
 # %%
-runner = engine.model_runner
+runner = engine.executor.model_runner
 captured = {}
 original_prepare_inputs = runner.prepare_inputs
 
 
 def prepare_inputs_and_keep(scheduled):
     captured["inputs"] = original_prepare_inputs(scheduled)
-    # seq.block_table and num_computed_tokens change after the step: copy them now.
-    captured["seqs"] = [(s.request_id, s.num_computed_tokens, list(s.block_table))
-                        for s in scheduled.seqs]  # fmt: skip
+    # block tables grow after the step: copy them now.
+    captured["seqs"] = [(c.request_id, c.start_position, list(c.block_table))
+                        for c in scheduled.chunks]  # fmt: skip
     return captured["inputs"]
 
 
@@ -198,8 +197,7 @@ engine.step()  # step 4: A2 and B2 decode, C2's first prefill chunk
 runner.prepare_inputs = original_prepare_inputs
 
 input_ids, positions, metadata = captured["inputs"]
-print("scheduled:", [(rid, n) for rid, n in zip([s[0] for s in captured["seqs"]],
-                                                 engine.last_step.num_new_tokens)])  # fmt: skip
+print("scheduled:", list(engine.last_step.num_scheduled_tokens.items()))
 print("input_ids    ", input_ids.tolist())
 print("positions    ", positions.tolist())
 print("cu_seqlens_q ", metadata.cu_seqlens_q.tolist())

@@ -56,7 +56,7 @@ def make_engine(**options) -> LLMEngine:
 
 def run(engine: LLMEngine) -> dict:
     """Add one request per step, run to the end; outputs and timings by request id."""
-    tokenizer = engine.tokenizer
+    tokenizer = engine.get_tokenizer()
     pending = list(enumerate(QUESTIONS))
     outputs, start = {}, time.perf_counter()
     while pending or engine.has_unfinished_requests():

@@ -224,7 +224,7 @@ params = SamplingParams(temperature=0, max_tokens=8)
 llm = LLM(attention_backend="row-by-row", num_kv_blocks=64)
 ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 # Same engine, same weights: switch every layer's backend back to the reference.
-for layer in llm.llm_engine.model.layers:
+for layer in llm.llm_engine.executor.model.layers:
     layer.self_attn.backend = reference
 theirs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 for prompt, token_ids in zip(prompts, ours):

@@ -43,6 +43,6 @@ def tiny_llama_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_path():
     """The real SmolLM2-135M-Instruct checkpoint (converted once, then cached)."""
-    from minivllm.model_files import default_model_path
+    from minivllm.models.model_files import default_model_path
 
     return default_model_path()

@@ -16,7 +16,7 @@ def llm(tiny_llama_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+        ({"temperature": -0.5}, "temperature must be finite and >= 0, got -0.5"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
         ({"top_p": 1.5}, "got 1.5"),
         ({"top_k": -3}, "top_k .* got -3"),
@@ -100,3 +100,134 @@ def test_cli_reports_bad_value_without_traceback(capsys):
 
     assert main(["generate", "hi", "--top-p", "0"]) == 2
     assert "top_p must be in (0, 1], got 0.0" in capsys.readouterr().err
+
+
+# --- values that used to pass validation and crash inside torch, or pass silently -----------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"top_k": True}, "top_k must be an int, got True"),
+        ({"stop_token_ids": [2, False]}, "stop_token_ids must be an int, got False"),
+        ({"seed": 2**64}, f"seed must fit in 64 bits, got {2**64}"),
+        ({"seed": -(2**63) - 1}, "seed must fit in 64 bits"),
+        ({"seed": 1.5}, "seed must be an int, got 1.5"),
+        ({"max_tokens": 2.5}, "max_tokens must be an int, got 2.5"),
+        ({"min_tokens": "3"}, "min_tokens must be an int, got '3'"),
+        ({"temperature": float("inf")}, "temperature must be finite and >= 0, got inf"),
+        ({"temperature": float("nan")}, "temperature must be finite and >= 0, got nan"),
+        ({"temperature": "0.5"}, "temperature must be a number, got '0.5'"),
+        ({"top_p": True}, "top_p must be a number, got True"),
+        ({"output_kind": "delta"}, "output_kind must be a RequestOutputKind"),
+        ({"stop": 5}, "stop must be a list, got 5"),
+        ({"stop_token_ids": 2}, "stop_token_ids must be a list, got 2"),
+    ],
+)
+def test_bad_sampling_values_that_torch_would_choke_on(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_numpy_and_torch_integers_are_ints():
+    import numpy as np
+    import torch
+
+    params = SamplingParams(
+        top_k=np.int64(5), seed=torch.tensor(7), max_tokens=3.0, stop_token_ids=[np.int32(9)]
+    )
+    assert (params.top_k, params.seed, params.max_tokens, params.stop_token_ids) == (5, 7, 3, [9])
+    assert all(type(v) is int for v in (params.top_k, params.seed, params.max_tokens))
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1  # what torch accepts
+
+
+def test_temperature_below_epsilon_is_greedy(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tiny = SamplingParams(temperature=1e-9, max_tokens=6, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [1, 5, 6]}]
+    [a], [b] = (llm.generate(prompt, p, use_tqdm=False) for p in (greedy, tiny))
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "token_ids, match",
+    [
+        ([1, True, 3], r"prompt token ids must be ints, got \[True\]"),
+        ([1, 2.5], r"must be ints, got \[2.5\]"),
+        ([1, "5"], r"must be ints, got \['5'\]"),
+        ("w1 w2", "prompt_token_ids must be a list of ints, got 'w1 w2'"),
+        (7, "prompt_token_ids must be a list of ints, got 7"),
+    ],
+)
+def test_bad_prompt_token_ids(llm, token_ids, match):
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("bad", {"prompt_token_ids": token_ids}, SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished_requests()
+
+
+def test_numpy_and_torch_prompt_ids_are_accepted(llm):
+    import numpy as np
+    import torch
+
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = [
+        {"prompt_token_ids": ids}
+        for ids in ([1, 5, 6], np.array([1, 5, 6]), torch.tensor([1, 5, 6]), [np.int64(1), 5, 6])
+    ]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.prompt_token_ids == [1, 5, 6] for o in outputs)
+    assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == 1
+
+
+def test_abort_accepts_what_add_request_accepted(llm):
+    engine = llm.llm_engine
+    engine.add_request(7, {"prompt_token_ids": [1, 5, 6]}, SamplingParams(max_tokens=4))
+    engine.add_request("8", {"prompt_token_ids": [1, 5, 6]}, SamplingParams(max_tokens=4))
+    assert engine.abort_request(7) is True
+    assert engine.abort_request([8, "nope"]) == [True, False]
+    assert not engine.has_unfinished_requests()
+
+
+def test_engine_config_refuses_bools_and_huge_seeds():
+    with pytest.raises(ValueError, match="block_size must be a positive int, got True"):
+        EngineConfig(block_size=True)
+    with pytest.raises(ValueError, match="seed must fit in 64 bits"):
+        EngineConfig(seed=2**64)
+
+
+# --- the command line: argparse's error line and exit code 2, before any work -----------------
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["generate", "hi", "--max-tokens", "2.5"],
+            "argument --max-tokens: expected int, got '2.5'",
+        ),
+        (["generate", "hi", "--max-tokens", "0"], "argument --max-tokens: must be a positive int"),
+        (["generate", "hi", "--temperature", "nan"], "argument --temperature: must be a finite"),
+        (["generate", "hi", "--sampling-seed", str(2**64)], "--sampling-seed: must fit in 64 bits"),
+        (["generate", "hi", "--stop", ""], "argument --stop: must not be empty"),
+        (["generate", "hi", "--block-size", "0"], "--block-size: must be a positive int, got '0'"),
+        (["generate", "hi", "--num-kv-blocks", "-3"], "--num-kv-blocks: must be a positive int"),
+        (["bench", "--max-concurrency", "-1"], "--max-concurrency: must be a positive int"),
+        (["bench", "--threads", "0"], "argument --threads: must be a positive int, got '0'"),
+        (["bench", "--policy", ",,"], "no scheduling policy in ',,'"),
+        (["bench", "--policy", "static,dynamic"], "unknown scheduling policy 'dynamic'"),
+        (["bench", "--prompt-len", "inf"], "argument --prompt-len: bad length distribution 'inf'"),
+        (["bench", "--output-len", "uniform:0:4"], "argument --output-len: bad length"),
+        (["bench", "--dataset", "/nonexistent.jsonl"], "--dataset: no such file"),
+        (["bench", "--num-prompts", "0"], "argument --num-prompts: must be a positive int"),
+        (["bench", "--request-rate", "nan"], "argument --request-rate: must be a positive number"),
+        (["bench", "--request-rate", "0"], "argument --request-rate: must be a positive number"),
+    ],
+)
+def test_bad_flag_is_an_argparse_error(argv, message, capsys):
+    from minivllm.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"minivllm {argv[0]}: error: " in err and message in err
+    assert "Traceback" not in err

@@ -19,5 +19,5 @@ def test_auto_dtype_is_fp32_on_cpu():
 
 def test_engine_reports_the_backend_it_runs(tiny_llama_path):
     llm = LLM(model=str(tiny_llama_path), num_kv_blocks=8)
-    backend = llm.llm_engine.model.layers[0].self_attn.backend
+    backend = llm.llm_engine.executor.model.layers[0].self_attn.backend
     assert backend.name == "numba-cpu"

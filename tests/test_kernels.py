@@ -205,6 +205,18 @@ def numba_threads(count: int):
         numba.set_num_threads(previous)
 
 
+@contextmanager
+def numba_serial_work_limit(limit: int):
+    import minivllm_kernels.numba_cpu as numba_cpu
+
+    previous = numba_cpu.SERIAL_WORK_LIMIT
+    numba_cpu.SERIAL_WORK_LIMIT = limit
+    try:
+        yield
+    finally:
+        numba_cpu.SERIAL_WORK_LIMIT = previous
+
+
 # --- property tests: each backend equals the torch reference -----------------------------
 
 
@@ -218,9 +230,11 @@ def numba_threads(count: int):
         head_dims=[1, 3, 8, 16, 64, 128],
     ),
     threads=st.integers(1, numba.config.NUMBA_NUM_THREADS),
+    serial=st.booleans(),
 )
-def test_numba_cpu_equals_torch_reference(batch: PagedBatch, threads: int) -> None:
-    with numba_threads(threads):
+def test_numba_cpu_equals_torch_reference(batch: PagedBatch, threads: int, serial: bool) -> None:
+    """Both launch paths: the serial kernel small steps use and the parallel one."""
+    with numba_threads(threads), numba_serial_work_limit(2**62 if serial else -1):
         actual = run_backend("numba-cpu", batch)
     assert_matches(actual, run_backend("torch", batch), torch.float32)
 
@@ -358,7 +372,8 @@ def test_numba_cuda_refuses_a_cache_of_another_dtype() -> None:
 
 def test_numba_cpu_uses_workqueue_and_leaves_torch_threads_alone() -> None:
     torch_threads = torch.get_num_threads()
-    run_backend("numba-cpu", build_batch([4], [1], [[1]]))
+    with numba_serial_work_limit(-1):  # a batch this small would otherwise run serially
+        run_backend("numba-cpu", build_batch([4], [1], [[1]]))
     if "NUMBA_THREADING_LAYER" not in os.environ:
         assert numba.threading_layer() == "workqueue"
     assert torch.get_num_threads() == torch_threads

@@ -39,14 +39,14 @@ def solo_outputs(tiny_llama_path):
 
 def abort_and_check(engine, request_id):
     """Abort ``request_id``; its blocks must be back in the pool before the next step."""
-    seq = engine.requests[request_id]
+    seq = engine.scheduler.requests[request_id]
     free_before = engine.kv_cache_manager.num_free_blocks
     num_blocks = len(seq.block_table)
     assert engine.abort_request(request_id) is True
     assert seq.status is SequenceStatus.FINISHED and seq.finish_reason is FinishReason.ABORT
     assert seq.block_table == []
     assert engine.kv_cache_manager.num_free_blocks == free_before + num_blocks
-    assert request_id not in engine.requests
+    assert request_id not in engine.scheduler.requests
     assert seq not in engine.scheduler.running and seq not in engine.scheduler.waiting
 
 
@@ -58,7 +58,7 @@ def test_abort_a_waiting_request(tiny_llama_path, solo_outputs):
     engine.add_request("a", PROMPT_A, GREEDY)
     engine.add_request("b", PROMPT_B, GREEDY)
     engine.step()
-    assert engine.requests["b"].status is SequenceStatus.WAITING
+    assert engine.scheduler.requests["b"].status is SequenceStatus.WAITING
     abort_and_check(engine, "b")
     finished = run_to_completion(engine)
     assert list(finished) == ["a"]
@@ -70,7 +70,7 @@ def test_abort_a_request_in_the_middle_of_its_prefill(tiny_llama_path, solo_outp
     engine.add_request("a", PROMPT_A, GREEDY)
     engine.add_request("b", PROMPT_B, GREEDY)
     engine.step()
-    seq = engine.requests["a"]
+    seq = engine.scheduler.requests["a"]
     assert seq.status is SequenceStatus.RUNNING and 0 < seq.num_computed_tokens < 10
     abort_and_check(engine, "a")
     finished = run_to_completion(engine)
@@ -84,7 +84,7 @@ def test_abort_a_decoding_request(tiny_llama_path, solo_outputs):
     engine.add_request("b", PROMPT_B, GREEDY)
     for _ in range(3):
         engine.step()
-    seq = engine.requests["b"]
+    seq = engine.scheduler.requests["b"]
     assert seq.status is SequenceStatus.RUNNING and seq.num_output_tokens == 3
     abort_and_check(engine, "b")
     finished = run_to_completion(engine)
@@ -101,7 +101,7 @@ def test_abort_a_preempted_request(tiny_llama_path, solo_outputs):
         engine.step()
         if engine.scheduler.num_preemptions:
             break
-    seq = engine.requests["b"]
+    seq = engine.scheduler.requests["b"]
     assert seq.status is SequenceStatus.PREEMPTED and seq.block_table == []
     abort_and_check(engine, "b")
     finished = run_to_completion(engine)
@@ -116,7 +116,7 @@ def test_abort_with_prefix_caching_keeps_shared_blocks_for_the_other_owner(tiny_
     engine.step()  # "a" computes 8 tokens: 2 blocks registered
     engine.add_request("b", shared, GREEDY)
     engine.step()
-    a, b = engine.requests["a"], engine.requests["b"]
+    a, b = engine.scheduler.requests["a"], engine.scheduler.requests["b"]
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
     shared_blocks = a.block_table[:2]
     engine.abort_request("a")
@@ -185,7 +185,7 @@ def test_finish_reason_stop_names_the_stop_token_id(tiny_llama_path, solo_output
 
 def test_finish_reason_stop_names_the_stop_string(tiny_llama_path, solo_outputs):
     engine = make_engine(tiny_llama_path)
-    stop_word = engine.tokenizer.decode([solo_outputs["a"][2]])
+    stop_word = engine.get_tokenizer().decode([solo_outputs["a"][2]])
     params = SamplingParams(temperature=0, max_tokens=8, stop=[stop_word])
     out = finish(engine, PROMPT_A, params)
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_word)
@@ -194,7 +194,8 @@ def test_finish_reason_stop_names_the_stop_string(tiny_llama_path, solo_outputs)
 
 def test_finish_reason_stop_on_eos_has_no_stop_reason(tiny_llama_path, solo_outputs):
     engine = make_engine(tiny_llama_path)
-    engine.eos_token_ids = frozenset({solo_outputs["a"][1]})  # pretend the model's EOS
+    # pretend the model's EOS
+    engine.output_processor.eos_token_ids = frozenset({solo_outputs["a"][1]})
     out = finish(engine, PROMPT_A, SamplingParams(temperature=0, max_tokens=8))
     assert (out.finish_reason, out.stop_reason) == ("stop", None)
     assert out.token_ids[-1] == solo_outputs["a"][1]

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.metrics import (
+from minivllm.bench.metrics import (
     LatencyStats,
     RequestResult,
-    StepStats,
     kv_utilization,
     padding_waste,
     summarize,
 )
+from minivllm.metrics import StepStats
 from minivllm.sequence import RequestMetrics
 
 
@@ -102,7 +102,7 @@ def test_request_flops_match_the_models_weights(tiny_model_path):
     from minivllm import LLM
 
     llm = LLM(model=str(tiny_model_path), num_kv_blocks=4)
-    model = llm.llm_engine.model
+    model = llm.llm_engine.executor.model
     config = model.config
     matmul_weights = sum(
         module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear)

@@ -11,10 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.model_runner import PAD_TOKEN_ID, ModelRunner
+from minivllm.model_runner import ModelRunner
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import PaddingRows, SchedulerOutput
+from minivllm.scheduler_output import ScheduledChunk, SchedulerOutput
 from minivllm.sequence import Sequence
+from minivllm.static_scheduler import PAD_TOKEN_ID
+
+
+def padding_chunk(seq, start_position, num_tokens):
+    """Static batching's padding rows in ``seq``'s region: computed, never sampled."""
+    tokens = [PAD_TOKEN_ID] * num_tokens
+    return ScheduledChunk(seq.request_id, tokens, start_position, seq.block_table, sample=False)
 
 
 def make_runner(block_size: int) -> ModelRunner:
@@ -35,7 +42,7 @@ def prepare(runner, chunks, padding=()):
     out = SchedulerOutput()
     for seq, num_new in chunks:
         out.add(seq, num_new)
-    out.padding.extend(padding)
+    out.chunks.extend(padding)
     input_ids, positions, metadata = runner.prepare_inputs(out)
     return input_ids.tolist(), positions.tolist(), metadata
 
@@ -92,7 +99,7 @@ def test_padding_rows_follow_the_real_rows_in_their_members_region():
     runner = make_runner(block_size=4)
     short = running_seq("s", [1, 2], num_computed=0, block_table=[2, 3])
     long = running_seq("l", [4, 5, 6, 7, 8], num_computed=0, block_table=[0, 1])
-    padding = [PaddingRows(short, start_position=2, num_tokens=3)]
+    padding = [padding_chunk(short, start_position=2, num_tokens=3)]
     input_ids, positions, metadata = prepare(runner, [(short, 2), (long, 5)], padding)
     assert input_ids == [1, 2, 4, 5, 6, 7, 8] + [PAD_TOKEN_ID] * 3
     assert positions == [0, 1, 0, 1, 2, 3, 4, 2, 3, 4]
@@ -127,6 +134,13 @@ def make_echo_runner(block_size: int) -> ModelRunner:
     return runner
 
 
+def sampled(runner: ModelRunner, out: SchedulerOutput) -> dict[str, int]:
+    """The one token each sampling request got this step."""
+    result = runner.execute_model(out).sampled_token_ids
+    assert all(len(tokens) == 1 for tokens in result.values())
+    return {request_id: tokens[0] for request_id, tokens in result.items()}
+
+
 def test_only_chunks_that_reach_the_end_sample_from_their_last_row():
     runner = make_echo_runner(block_size=4)
     finishing = running_seq("f", [10, 11, 12, 13, 14], num_computed=2, block_table=[0, 1])
@@ -135,8 +149,8 @@ def test_only_chunks_that_reach_the_end_sample_from_their_last_row():
     out = SchedulerOutput()
     for seq, num_new in [(finishing, 3), (midway, 2), (decode, 1)]:
         out.add(seq, num_new)
-    sampled = runner.execute(out)
-    assert sampled == {finishing: 15, decode: 33}  # midway is mid-prompt: nothing to sample
+    # midway is mid-prompt: nothing to sample
+    assert sampled(runner, out) == {"f": 15, "d": 33}
 
 
 def test_padding_rows_are_never_sampled():
@@ -146,8 +160,8 @@ def test_padding_rows_are_never_sampled():
     out = SchedulerOutput()
     out.add(short, 1)
     out.add(long, 3)
-    out.padding.append(PaddingRows(short, start_position=1, num_tokens=2))
-    assert runner.execute(out) == {short: 41, long: 53}
+    out.chunks.append(padding_chunk(short, start_position=1, num_tokens=2))
+    assert sampled(runner, out) == {"s": 41, "l": 53}
 
 
 def test_a_step_where_nobody_samples_returns_nothing():
@@ -155,7 +169,7 @@ def test_a_step_where_nobody_samples_returns_nothing():
     seq = running_seq("m", list(range(1, 9)), num_computed=0, block_table=[0, 1])
     out = SchedulerOutput()
     out.add(seq, 4)
-    assert runner.execute(out) == {}
+    assert sampled(runner, out) == {}
 
 
 def test_the_kv_cache_is_allocated_once_for_every_layer_keys_and_values():

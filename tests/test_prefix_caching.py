@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.kv_cache_manager import KVCacheManager, cdiv, hash_block_tokens
+from minivllm.kv_cache_manager import KVCacheManager, hash_block_tokens
 from minivllm.sequence import Sequence
+from minivllm.utils import cdiv
 from tests.helpers import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -263,7 +264,7 @@ def test_a_hit_skips_the_prefill_of_the_cached_tokens(tiny_llama_path):
     llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
     engine.add_request("again", {"prompt_token_ids": prompt + [40, 41]}, GREEDY)
     engine.step()
-    assert engine.last_step.num_new_tokens == [21 - 16]
+    assert list(engine.last_step.num_scheduled_tokens.values()) == [21 - 16]
 
 
 def test_reset_prefix_cache_makes_the_next_run_cold(tiny_llama_path):

@@ -141,8 +141,8 @@ def test_eos_stops_unless_ignored(llm):
     """Make EOS the greedy choice by declaring the model's favourite token the EOS."""
     greedy = _ids(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     engine = llm.llm_engine
-    saved = engine.eos_token_ids
-    engine.eos_token_ids = frozenset({greedy[2]})
+    saved = engine.output_processor.eos_token_ids
+    engine.output_processor.eos_token_ids = frozenset({greedy[2]})
     try:
         first = greedy.index(greedy[2])
         stopped = _ids(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=12))[0]
@@ -156,4 +156,4 @@ def test_eos_stops_unless_ignored(llm):
             == greedy
         )
     finally:
-        engine.eos_token_ids = saved
+        engine.output_processor.eos_token_ids = saved

@@ -1,13 +1,14 @@
 """The scheduler and the page allocator never lose a request or a block: stateful tests.
 
-A hypothesis `RuleBasedStateMachine` drives the real `Scheduler`, `KVCacheManager` and
-`BlockAllocator`, and the real `ModelRunner.prepare_inputs`, through random arrivals,
-aborts and steps, with random block sizes, pool sizes, token budgets, ``max_num_seqs``,
-and prefix caching on or off. The model is fake and instant (`FakeModelRunner`): what it
-"writes" into a cache slot is a fingerprint of the token prefix ending there, and before
-sampling it reads back every slot of every scheduled sequence's context through the block
-table. So a write one slot past a block, a chunk that reads a stale slot, or a prefix-cache
-hit on the wrong block fails at once, without a real model.
+A hypothesis `RuleBasedStateMachine` drives the real `LLMEngine` (its `Scheduler`,
+`KVCacheManager`, `BlockAllocator`, input and output processors) and the real
+`ModelRunner.prepare_inputs`, through random arrivals, aborts and steps, with random block
+sizes, pool sizes, token budgets, ``max_num_seqs``, and prefix caching on or off. Only the
+executor is fake and instant (`FakeExecutor`): what it "writes" into a cache slot is a
+fingerprint of the token prefix ending there, and before sampling it reads back every
+slot of every scheduled chunk's context through the block table. So a write one slot past
+a block, a chunk that reads a stale slot, or a prefix-cache hit on the wrong block fails
+at once, without a real model.
 
 CI runs the "ci" hypothesis profile (tests/conftest.py); for a longer search run
 ``HYPOTHESIS_PROFILE=deep pytest tests/test_scheduler_invariants.py``.
@@ -16,8 +17,8 @@ CI runs the "ci" hypothesis profile (tests/conftest.py); for a longer search run
 from __future__ import annotations
 
 import random
-import time
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,12 +33,13 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from minivllm import LLM
-from minivllm.kv_cache_manager import KVCacheManager, cdiv
+from minivllm import LLM, EngineConfig, LLMEngine
 from minivllm.model_runner import ModelRunner
+from minivllm.outputs import ModelRunnerOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import Scheduler, SchedulerOutput
+from minivllm.scheduler_output import SchedulerOutput
 from minivllm.sequence import FinishReason, Sequence, SequenceStatus
+from minivllm.utils import cdiv
 from tests.helpers import hf_greedy
 
 EOS = 0
@@ -53,34 +55,47 @@ def prefix_fingerprints(token_ids: list[int]) -> list[int]:
     return fingerprints
 
 
-class FakeModelRunner(ModelRunner):
-    """The real input preparation (positions, slot mapping, block tables) with an instant
-    fake model that checks every cache write and read against the sequences' tokens."""
+class FakeExecutor(ModelRunner):
+    """The executor seam with the real input preparation (positions, slot mapping, block
+    tables) and an instant fake model that checks every cache write and read against the
+    requests' tokens (which it looks up in the engine: a test's privilege)."""
 
-    def __init__(self, kv_cache_manager: KVCacheManager, rng: random.Random, eos_prob: float):
+    def __init__(self, num_blocks: int, block_size: int, rng: random.Random, eos_prob: float):
         # No model and no cache tensors: only what `prepare_inputs` reads.
-        self.block_size = kv_cache_manager.block_size
+        self.block_size = block_size
         self.device = torch.device("cpu")
-        self.allocator = kv_cache_manager.allocator
-        self.slots: list[int | None] = [None] * (self.allocator.num_blocks * self.block_size)
+        self.model_config = SimpleNamespace(vocab_size=1000)  # prompts may use any id
+        self.num_kv_blocks = num_blocks
+        self.max_model_len = num_blocks * block_size  # what the real executor allows at most
+        self.eos_token_ids = frozenset({EOS})
+        self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.rng = rng
         self.eos_prob = eos_prob
 
-    def execute(self, scheduled: SchedulerOutput) -> dict[Sequence, int]:
-        input_ids, positions, metadata = self.prepare_inputs(scheduled)
+    def attach(self, engine: LLMEngine) -> None:
+        self.requests = engine.scheduler.requests
+        self.allocator = engine.kv_cache_manager.allocator
+
+    def get_tokenizer(self):
+        return None
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        input_ids, positions, metadata = self.prepare_inputs(scheduler_output)
         input_ids, positions = input_ids.tolist(), positions.tolist()
         slot_mapping = metadata.slot_mapping.tolist()
         starts = metadata.cu_seqlens_q.tolist()
         sampled = {}
-        for i, (seq, num_new) in enumerate(zip(scheduled.seqs, scheduled.num_new_tokens)):
+        for i, chunk in enumerate(scheduler_output.chunks):
+            seq = self.requests[chunk.request_id]
             fingerprints = prefix_fingerprints(seq.token_ids)
             for row in range(starts[i], starts[i + 1]):
                 self._write(seq, input_ids[row], positions[row], slot_mapping[row], fingerprints)
-            self._read_context(seq, metadata.block_tables[i].tolist(), fingerprints, num_new)
-            if seq.num_computed_tokens + num_new == seq.num_tokens:
+            self._read_context(seq, metadata.block_tables[i].tolist(), fingerprints, chunk)
+            assert chunk.sample == (chunk.context_len == seq.num_tokens)
+            if chunk.sample:
                 is_eos = self.rng.random() < self.eos_prob
-                sampled[seq] = EOS if is_eos else self.rng.randrange(1, VOCAB)
-        return sampled
+                sampled[seq.request_id] = [EOS if is_eos else self.rng.randrange(1, VOCAB)]
+        return ModelRunnerOutput(sampled)
 
     def _write(self, seq, token_id, pos, slot, fingerprints):
         block_id = slot // self.block_size
@@ -92,60 +107,70 @@ class FakeModelRunner(ModelRunner):
         assert self.allocator.block_hashes[block_id] is None, "wrote into a cached full block"
         self.slots[slot] = fingerprints[pos]
 
-    def _read_context(self, seq, block_table, fingerprints, num_new):
-        for pos in range(seq.num_computed_tokens + num_new):
+    def _read_context(self, seq, block_table, fingerprints, chunk):
+        for pos in range(chunk.context_len):
             block_id = block_table[pos // self.block_size]
             slot = block_id * self.block_size + pos % self.block_size
             assert self.slots[slot] == fingerprints[pos], f"{seq} reads a stale slot at {pos}"
 
 
-class FakeEngine:
-    """`LLMEngine.step` without the model and the tokenizer: schedule, run the fake model,
-    advance, append the sampled tokens, finish on EOS / max_tokens / max_model_len."""
+class EngineUnderTest:
+    """A real `LLMEngine` on a `FakeExecutor`, plus what the checks need to remember:
+    every request's arrival order, the finished ones, the last step's prefix hits."""
 
     def __init__(self, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
                  enable_prefix_caching, rng, eos_prob=0.1):  # fmt: skip
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs, max_num_batched_tokens)
-        self.runner = FakeModelRunner(self.kv_cache_manager, rng, eos_prob)
-        self.max_model_len = num_blocks * block_size  # what the real engine allows at most
-        self.requests: dict[str, Sequence] = {}
+        config = EngineConfig(
+            block_size=block_size,
+            num_kv_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        executor = FakeExecutor(num_blocks, block_size, rng, eos_prob)
+        self.engine = LLMEngine(config, executor=executor)
+        executor.attach(self.engine)
+        self.scheduler = self.engine.scheduler
+        self.kv_cache_manager = self.engine.kv_cache_manager
+        self.max_model_len = self.engine.max_model_len
+        self.requests = self.scheduler.requests  # the unfinished ones, by id
         self.arrival_order: dict[Sequence, int] = {}
         self.finished: list[Sequence] = []
         self.last_hits: list[Sequence] = []  # admitted by the last step with a prefix hit
 
-    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> Sequence:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens)
-        seq = Sequence(request_id, prompt, params)
-        self.requests[request_id] = seq
+    def add(
+        self, request_id, prompt: list[int], max_tokens: int, min_tokens=0, stop_token_ids=()
+    ) -> Sequence:
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=max_tokens,
+            min_tokens=min(min_tokens, max_tokens),
+            stop_token_ids=list(stop_token_ids),
+        )
+        self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        seq = self.requests[str(request_id)]
         self.arrival_order[seq] = len(self.arrival_order)
-        self.scheduler.add(seq)
         return seq
 
-    def abort(self, request_id: str) -> bool:
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
+    def abort(self, request_id) -> bool:
+        seq = self.requests.get(str(request_id))
+        if not self.engine.abort_request(request_id):
             return False
-        self.scheduler.finish(seq, FinishReason.ABORT, time.perf_counter())
         self.finished.append(seq)
         return True
 
     def step(self) -> SchedulerOutput:
         waiting = set(self.scheduler.waiting)
-        scheduled = self.scheduler.schedule()
-        self.last_hits = [s for s in scheduled.seqs if s in waiting and s.num_computed_tokens]
-        sampled = self.runner.execute(scheduled) if not scheduled.is_empty else {}
-        self.scheduler.update_computed(scheduled)
-        now = time.perf_counter()
-        for seq, token_id in sampled.items():
-            seq.append_token(token_id, now)
-            if token_id == EOS:
-                self._finish(seq, FinishReason.STOP, now)
-            elif (
-                seq.num_output_tokens >= seq.sampling_params.max_tokens
-                or seq.num_tokens >= self.max_model_len
-            ):
-                self._finish(seq, FinishReason.LENGTH, now)
+        outputs = self.engine.step()
+        scheduled = self.engine.last_step
+        self.last_hits = [
+            s for s in scheduled.scheduled_seqs if s in waiting and s.num_cached_tokens
+        ]
+        done = [s for s in scheduled.scheduled_seqs if s.is_finished]
+        assert [o.request_id for o in outputs if o.finished] == [s.request_id for s in done]
+        for seq in done:
+            check_stop_rules(seq, self.max_model_len)
+        self.finished += done
         return scheduled
 
     def run_to_completion(self, after_step=lambda scheduled: None) -> int:
@@ -154,20 +179,15 @@ class FakeEngine:
         # each request needs at most max_model_len steps once it is the oldest.
         bound = len(self.requests) * self.max_model_len + 1
         for num_steps in range(bound):
-            if not self.scheduler.has_unfinished():
+            if not self.engine.has_unfinished_requests():
                 return num_steps
             scheduled = self.step()
             assert not scheduled.is_empty, "a step with unfinished requests did nothing"
             after_step(scheduled)
         raise AssertionError(f"requests still unfinished after {bound} steps: {self.requests}")
 
-    def _finish(self, seq, reason, now):
-        self.scheduler.finish(seq, reason, now)
-        del self.requests[seq.request_id]
-        self.finished.append(seq)
 
-
-def check_pool(engine: FakeEngine) -> None:
+def check_pool(engine: EngineUnderTest) -> None:
     """Every block is free or owned, and its reference count is its number of owners."""
     allocator = engine.kv_cache_manager.allocator
     owners = [0] * allocator.num_blocks
@@ -186,7 +206,7 @@ def check_pool(engine: FakeEngine) -> None:
         assert seq.block_table == [] and seq.is_finished
 
 
-def check_sequences(engine: FakeEngine) -> None:
+def check_sequences(engine: EngineUnderTest) -> None:
     """Each sequence holds exactly the blocks its computed tokens need, and the queues are
     in arrival order: running (oldest first) then waiting (first come first served)."""
     block_size = engine.kv_cache_manager.block_size
@@ -205,21 +225,55 @@ def check_sequences(engine: FakeEngine) -> None:
     assert arrivals == sorted(arrivals), "a request overtook an earlier one"
 
 
-def check_step(engine: FakeEngine, scheduled: SchedulerOutput) -> None:
+def check_stop_rules(seq: Sequence, max_model_len: int) -> None:
+    """A request stops at its first EOS or stop token id from ``min_tokens`` on, and
+    otherwise runs to its length limit. (The fake model samples EOS whenever it likes: the
+    output processor alone must hold it back before ``min_tokens``.)"""
+    params, output = seq.sampling_params, seq.output_token_ids
+    stops = {EOS, *params.stop_token_ids}
+    first_stop = next(
+        (i for i, t in enumerate(output) if t in stops and i + 1 >= params.min_tokens), None
+    )
+    if seq.finish_reason is FinishReason.STOP:
+        assert first_stop == len(output) - 1
+        assert seq.stop_reason == (None if output[-1] == EOS else output[-1])
+    else:
+        assert seq.finish_reason is FinishReason.LENGTH
+        assert first_stop is None
+        assert len(output) == params.max_tokens or seq.num_tokens >= max_model_len
+
+
+def check_step(engine: EngineUnderTest, scheduled: SchedulerOutput) -> None:
     scheduler = engine.scheduler
-    assert scheduled.total_num_tokens <= scheduler.max_num_batched_tokens
-    assert len(scheduled.seqs) <= scheduler.max_num_seqs
-    assert len(set(scheduled.seqs)) == len(scheduled.seqs)
-    assert all(n >= 1 for n in scheduled.num_new_tokens)
-    assert not set(scheduled.seqs) & set(scheduled.preempted)
+    assert scheduled.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
+    assert scheduled.num_rows == scheduled.total_num_scheduled_tokens  # nothing wasted
+    assert len(scheduled.scheduled_seqs) <= scheduler.max_num_seqs
+    assert len(set(scheduled.scheduled_seqs)) == len(scheduled.scheduled_seqs)
+    assert all(n >= 1 for n in scheduled.num_scheduled_tokens.values())
+    assert not set(scheduled.scheduled_seqs) & set(scheduled.preempted)
 
 
-# One request: (which shared prefix or None, how much of it, random suffix length, max_tokens).
+# One request: (which shared prefix or None, how much of it, random suffix length,
+# max_tokens, min_tokens, stop token ids).
 REQUEST = st.tuples(
     st.sampled_from([None, 0, 1]),
     st.sampled_from([0, 3, 8, 13, 20]),
     st.integers(0, 12),
     st.integers(1, 16),
+    st.sampled_from([0, 0, 2, 5]),
+    st.sampled_from([(), (), (1,), (2, 3)]),
+)
+# Requests the engine must refuse, leaving everything as it was.
+BAD_REQUEST = st.sampled_from(
+    [
+        ({"prompt_token_ids": [1, True]}, {}),
+        ({"prompt_token_ids": [1, 2.5]}, {}),
+        ({"prompt_token_ids": []}, {}),
+        ({"prompt_token_ids": [1]}, {"top_k": True}),
+        ({"prompt_token_ids": [1]}, {"max_tokens": 2.5}),
+        ({"prompt_token_ids": [1]}, {"seed": 2**64, "temperature": 1.0}),
+        ({"prompt_token_ids": [1]}, {"stop_token_ids": [False]}),
+    ]
 )
 
 
@@ -240,7 +294,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def setup(self, block_size, pool_tokens, max_num_seqs, max_num_batched_tokens,
               enable_prefix_caching, eos_prob, rng, first_requests):  # fmt: skip
         num_blocks = max(1, pool_tokens // block_size)
-        self.engine = FakeEngine(num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+        self.engine = EngineUnderTest(num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
                                  enable_prefix_caching, rng, eos_prob)  # fmt: skip
         self.rng = rng
         # A few "system prompts" that many requests start with, so prefixes are shared.
@@ -250,19 +304,30 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(requests=st.lists(REQUEST, min_size=1, max_size=4))
     def add_requests(self, requests):
-        for shared_prefix, prefix_len, suffix_len, max_tokens in requests:
+        for shared_prefix, prefix_len, suffix_len, max_tokens, min_tokens, stops in requests:
             prefix = [] if shared_prefix is None else self.shared_prefixes[shared_prefix]
             prompt = prefix[:prefix_len] + [self.rng.randrange(VOCAB) for _ in range(suffix_len)]
-            # What LLMEngine._check_prompt accepts: 1 .. max_model_len tokens.
+            # What the input processor accepts: 1 .. max_model_len tokens.
             prompt = (prompt or [1])[: self.engine.max_model_len]
-            self.engine.add(f"r{self.num_added}", prompt, max_tokens)
+            # Ids are ints: the engine keeps them as str, and abort takes either.
+            self.engine.add(self.num_added, prompt, max_tokens, min_tokens, stops)
             self.num_added += 1
+
+    @rule(bad=BAD_REQUEST)
+    def add_bad_request(self, bad):
+        prompt, kwargs = bad
+        engine = self.engine.engine
+        before = (set(self.engine.requests), self.engine.kv_cache_manager.num_free_blocks)
+        with pytest.raises(ValueError):
+            engine.add_request("bad", prompt, SamplingParams(**kwargs))
+        assert (set(self.engine.requests), self.engine.kv_cache_manager.num_free_blocks) == before
 
     @precondition(lambda self: self.engine.requests)
     @rule(data=st.data())
     def abort_request(self, data):
         request_id = data.draw(st.sampled_from(sorted(self.engine.requests)))
         seq = self.engine.requests[request_id]
+        request_id = data.draw(st.sampled_from([request_id, int(request_id)]))
         allocator = self.engine.kv_cache_manager.allocator
         num_private = sum(allocator.ref_counts[b] == 1 for b in seq.block_table)
         num_free = allocator.num_free_blocks
@@ -288,7 +353,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("preemption")
             REACHED["preemption"] += 1
         if any(
-            p and s.num_uncomputed_tokens > 1 for s, p in zip(scheduled.seqs, scheduled.is_prefill)
+            scheduled.is_prefill[s.request_id] and s.num_uncomputed_tokens > 1
+            for s in scheduled.scheduled_seqs
         ):
             REACHED["chunked prefill"] += 1
         for seq in self.engine.last_hits:
@@ -338,7 +404,7 @@ def test_decode_writes_stay_in_their_block_at_every_block_boundary(block_size, p
     exactly-sized pool, so a stray write lands in the other request's block."""
     max_tokens = 2 * block_size + 1
     num_blocks = 2 * cdiv(prompt_len + max_tokens, block_size)
-    engine = FakeEngine(num_blocks, block_size, 2, 64, False, random.Random(0), eos_prob=0)
+    engine = EngineUnderTest(num_blocks, block_size, 2, 64, False, random.Random(0), eos_prob=0)
     first = engine.add("a", list(range(1, prompt_len + 1)), max_tokens)
     second = engine.add("b", list(range(2, prompt_len + 2)), max_tokens)
     engine.run_to_completion(after_step=lambda _: check_sequences(engine))
@@ -351,14 +417,14 @@ def test_a_100_percent_prefix_hit_still_computes_the_last_block(num_blocks_in_pr
     """nano-vllm #114: a prompt whose every block is cached crashed (nothing to compute)."""
     block_size = 4
     prompt = list(range(1, block_size * num_blocks_in_prompt + 1))
-    engine = FakeEngine(16, block_size, 2, 64, True, random.Random(0), eos_prob=0)
+    engine = EngineUnderTest(16, block_size, 2, 64, True, random.Random(0), eos_prob=0)
     engine.add("first", prompt, 3)
     engine.run_to_completion()
     again = engine.add("again", prompt, 3)
     scheduled = engine.step()
     assert again in engine.last_hits or num_blocks_in_prompt == 1
     assert again.num_cached_tokens == (num_blocks_in_prompt - 1) * block_size
-    assert scheduled.num_new_tokens == [block_size]  # the last block, into a fresh block
+    assert list(scheduled.num_scheduled_tokens.values()) == [block_size]  # the last block
     engine.run_to_completion()
     assert again.num_output_tokens == 3
 
@@ -366,7 +432,7 @@ def test_a_100_percent_prefix_hit_still_computes_the_last_block(num_blocks_in_pr
 def test_a_prefix_hit_right_after_a_preemption():
     """nano-vllm PR #211: a request readmitted after preemption hit the cache and went out
     of bounds. Three requests with a shared prefix in a pool that holds two."""
-    engine = FakeEngine(6, 2, 4, 8, True, random.Random(0), eos_prob=0)
+    engine = EngineUnderTest(6, 2, 4, 8, True, random.Random(0), eos_prob=0)
     shared = [5, 6, 7, 8]
     requests = [engine.add(name, shared + [i], 6) for i, name in enumerate("abc", start=1)]
     readmitted_with_hit = []
@@ -388,10 +454,12 @@ def test_chunked_prefill_ending_exactly_on_a_block_boundary(chunk_blocks, num_ch
     block_size = 4
     budget = chunk_blocks * block_size
     prompt_len = num_chunks * budget + extra_tokens
-    engine = FakeEngine(32, block_size, 2, budget, False, random.Random(0), eos_prob=0)
+    engine = EngineUnderTest(32, block_size, 2, budget, False, random.Random(0), eos_prob=0)
     seq = engine.add("a", list(range(1, prompt_len + 1)), 4)
     chunks = []
-    engine.run_to_completion(after_step=lambda scheduled: chunks.append(scheduled.num_new_tokens))
+    engine.run_to_completion(
+        after_step=lambda scheduled: chunks.append(list(scheduled.num_scheduled_tokens.values()))
+    )
     expected = [[min(budget, prompt_len - start)] for start in range(0, prompt_len, budget)]
     assert chunks[: len(expected)] == expected
     assert seq.num_output_tokens == 4

@@ -18,8 +18,10 @@ from __future__ import annotations
 import pytest
 
 from minivllm.kv_cache_manager import KVCacheManager
+from minivllm.outputs import ModelRunnerOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import Scheduler, SchedulerOutput
+from minivllm.scheduler import Scheduler
+from minivllm.scheduler_output import SchedulerOutput
 from minivllm.sequence import FinishReason, Sequence, SequenceStatus
 
 NEXT_TOKEN = 7  # what the pretend model samples
@@ -27,7 +29,9 @@ NEXT_TOKEN = 7  # what the pretend model samples
 
 def make_scheduler(num_blocks, block_size=4, max_num_seqs=8, budget=64, prefix_caching=False):
     manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    return Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    return Scheduler(
+        manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, clock=lambda: 0.0
+    )
 
 
 def make_seq(request_id: str, prompt: list[int] | int) -> Sequence:
@@ -37,7 +41,7 @@ def make_seq(request_id: str, prompt: list[int] | int) -> Sequence:
 
 def add(scheduler: Scheduler, *seqs: Sequence) -> None:
     for seq in seqs:
-        scheduler.add(seq)
+        scheduler.add_request(seq)
 
 
 def step(scheduler: Scheduler) -> SchedulerOutput:
@@ -45,21 +49,25 @@ def step(scheduler: Scheduler) -> SchedulerOutput:
     out = scheduler.schedule()
     finishing = [
         seq
-        for seq, n in zip(out.seqs, out.num_new_tokens)
+        for seq, n in zip(out.scheduled_seqs, num_new_tokens(out))
         if seq.num_computed_tokens + n == seq.num_tokens
     ]
-    scheduler.update_computed(out)
+    scheduler.update_from_output(out, ModelRunnerOutput())
     for seq in finishing:
         seq.append_token(NEXT_TOKEN, now=0.0)
     return out
 
 
 def finish(scheduler: Scheduler, seq: Sequence) -> None:
-    scheduler.finish(seq, FinishReason.STOP, now=0.0)
+    scheduler.finish_requests(seq.request_id, FinishReason.STOP)
+
+
+def num_new_tokens(out: SchedulerOutput) -> list[int]:
+    return [out.num_scheduled_tokens[seq.request_id] for seq in out.scheduled_seqs]
 
 
 def scheduled(out: SchedulerOutput) -> dict[str, int]:
-    return {seq.request_id: n for seq, n in zip(out.seqs, out.num_new_tokens)}
+    return dict(zip([seq.request_id for seq in out.scheduled_seqs], num_new_tokens(out)))
 
 
 # --- the token budget --------------------------------------------------------------------------
@@ -74,9 +82,9 @@ def test_running_decodes_spend_the_budget_before_waiting_prefills():
     out = step(scheduler)
     # a decodes (1), b finishes its prompt (2), and only then c gets what is left (7).
     assert scheduled(out) == {"a": 1, "b": 2, "c": 7}
-    assert out.is_prefill == [False, True, True]
+    assert [out.is_prefill[s.request_id] for s in out.scheduled_seqs] == [False, True, True]
     assert (out.num_decode_tokens, out.num_prefill_tokens) == (1, 9)
-    assert out.total_num_tokens == 10
+    assert out.total_num_scheduled_tokens == 10
 
 
 def test_a_running_prefill_chunk_takes_the_budget_before_an_earlier_waiting_request():
@@ -264,15 +272,15 @@ def test_finishing_takes_a_request_out_of_whichever_queue_it_is_in():
     a, b = make_seq("a", 4), make_seq("b", 4)
     add(scheduler, a, b)
     step(scheduler)
-    assert scheduler.has_unfinished()
+    assert scheduler.has_unfinished_requests()
     finish(scheduler, b)  # still waiting (an abort)
     assert list(scheduler.waiting) == [] and b.is_finished and b.block_table == []
     assert b.finish_reason is FinishReason.STOP and b.metrics.finished_time == 0.0
-    assert scheduler.has_unfinished()  # a still runs
+    assert scheduler.has_unfinished_requests()  # a still runs
     finish(scheduler, a)  # running: its blocks go back at once
     assert scheduler.running == [] and a.block_table == []
     assert scheduler.kv_cache_manager.num_free_blocks == 8
-    assert not scheduler.has_unfinished()
+    assert not scheduler.has_unfinished_requests()
     assert step(scheduler).is_empty
 
 
@@ -307,7 +315,8 @@ def test_finish_records_the_reason_time_and_stop_reason():
     a = make_seq("a", 2)
     add(scheduler, a)
     step(scheduler)
-    scheduler.finish(a, FinishReason.STOP, now=2.5, stop_reason="###")
+    scheduler.clock = lambda: 2.5
+    scheduler.finish_requests("a", FinishReason.STOP, stop_reason="###")
     assert (a.finish_reason, a.stop_reason, a.metrics.finished_time) == (
         FinishReason.STOP,
         "###",
@@ -322,4 +331,4 @@ def test_a_running_request_the_budget_does_not_reach_is_not_in_the_step():
     scheduler.max_num_batched_tokens = 2  # a smaller budget from now on
     out = step(scheduler)
     assert scheduled(out) == {"a": 1, "b": 1}  # c waits its turn; no empty chunk for it
-    assert all(n >= 1 for n in out.num_new_tokens)
+    assert all(n >= 1 for n in num_new_tokens(out))

@@ -10,7 +10,7 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
-from minivllm.kv_cache_manager import cdiv
+from minivllm.utils import cdiv
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64
@@ -108,7 +108,7 @@ def test_static_never_admits_into_a_running_batch(tiny_llama_path):
     engine.step()  # the batch {a, b} starts
     add(engine, "late", 3, 3)  # a slot is free, but the batch is closed
     first_batch = {"a", "b"}
-    while engine.requests.keys() & first_batch:
+    while engine.scheduler.requests.keys() & first_batch:
         engine.step()
         assert {s.request_id for s in engine.scheduler.running} <= first_batch
         assert "late" not in engine.step_log[-1].prefill_ids + engine.step_log[-1].decode_ids

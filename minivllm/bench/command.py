@@ -9,29 +9,68 @@ import shlex
 import sys
 from dataclasses import asdict
 
-from minivllm.bench.workloads import LengthDistribution, Workload
+from minivllm import arg_types
+from minivllm.bench.workloads import Workload
+from minivllm.config import SCHEDULING_POLICIES
 
 
 def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument(
+        "--policy",
+        "--scheduling-policy",
+        default="static,continuous",
+        type=arg_types.comma_list(SCHEDULING_POLICIES, "scheduling policy"),
+        help="scheduling policies to compare, comma-separated: continuous, static",
+    )
     w = bench.add_argument_group("workload")
     w.add_argument(
         "--workload", choices=["synthetic", "shared-prefix", "file"], default="synthetic"
     )
-    w.add_argument("--num-prompts", type=int, default=64)
+    w.add_argument("--num-prompts", type=arg_types.positive_int, default=64)
     w.add_argument(
         "--prompt-len",
         default="uniform:16:400",
+        type=arg_types.length_distribution,
         help="N, uniform:LO:HI or lognormal:MED:SIGMA:LO:HI",
     )
-    w.add_argument("--output-len", default="uniform:8:128", help="like --prompt-len")
     w.add_argument(
-        "--system-prompt-len", type=int, default=256, help="for --workload shared-prefix"
+        "--output-len",
+        default="uniform:8:128",
+        type=arg_types.length_distribution,
+        help="like --prompt-len",
     )
-    w.add_argument("--dataset", default=None, help="JSONL of prompts, for --workload file")
-    w.add_argument("--workload-seed", type=int, default=0)
+    w.add_argument(
+        "--system-prompt-len",
+        type=arg_types.positive_int,
+        default=256,
+        help="for --workload shared-prefix",
+    )
+    w.add_argument(
+        "--dataset",
+        type=arg_types.existing_file,
+        default=None,
+        help="JSONL of prompts, for --workload file",
+    )
+    w.add_argument("--workload-seed", type=arg_types.non_negative_int, default=0)
     r = bench.add_argument_group("arrivals (default: offline, everything at t=0)")
-    r.add_argument("--request-rate", type=float, default=math.inf, help="Poisson, requests/s")
-    r.add_argument("--max-concurrency", type=int, default=None)
+    r.add_argument(
+        "--request-rate", type=arg_types.rate, default=math.inf, help="Poisson, requests/s"
+    )
+    r.add_argument("--max-concurrency", type=arg_types.positive_int, default=None)
+    h = bench.add_argument_group("a running server instead (like `vllm bench serve`)")
+    h.add_argument(
+        "--base-url",
+        default=None,
+        metavar="URL",
+        help="send the workload over HTTP to an OpenAI-compatible server (minivllm serve, "
+        "vllm serve) at URL, e.g. http://127.0.0.1:8000; latencies are measured client-side "
+        "from the stream. The engine options then only pick the tokenizer (--model)",
+    )
+    h.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the `model` to ask for (default: the first one the server lists)",
+    )
     o = bench.add_argument_group("output")
     o.add_argument("--compare-hf", action="store_true", help="add transformers baseline rows")
     o.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
@@ -39,7 +78,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     o.add_argument(
         "--threads",
-        type=int,
+        type=arg_types.positive_int,
         default=None,
         help="torch CPU threads for every run (default: torch's). On a CPU shared with other "
         "busy processes, 1 avoids threads waiting on each other at every small op",
@@ -50,16 +89,18 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from minivllm.bench import report
+    from minivllm.bench.metrics import measure_matmul_peak
     from minivllm.bench.runner import run_engine
-    from minivllm.metrics import measure_matmul_peak
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    policies = args.policy
     for policy in policies:
         _engine_config(args, policy)  # a bad option or policy name fails before any work
     model_path = args.model or _default_model()
     workload = build_workload(args, *_tokenizer_and_vocab_size(model_path))
+    if args.base_url:
+        return _run_over_http(args, workload, model_path)
     # Unless told otherwise, what a well-configured static server reserves per request:
     # room for the workload's longest request, not the model's whole context.
     max_model_len = args.max_model_len or workload.max_request_len
@@ -101,6 +142,36 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_over_http(args: argparse.Namespace, workload: Workload, model_path) -> int:
+    """``--base-url``: the workload through a running server, timed from its streams."""
+    from minivllm.bench import report
+    from minivllm.bench.http_client import run_http
+
+    print(workload.describe(), file=sys.stderr)
+    run = run_http(
+        args.base_url,
+        workload,
+        args.max_concurrency,
+        progress=not args.no_progress,
+        model=args.served_model_name,
+        name="HTTP",
+    )
+    _add_model_flops([run], model_path)
+    context = _context(args, None, workload, None, None)
+    print()
+    print(context["title"])
+    print(report.format_table([run]))
+    if args.json:
+        report.write_json(args.json, [run], context)
+        print(f"\nJSON: {args.json}")
+    if args.plot:
+        from minivllm.bench.plots import write_all
+
+        paths = write_all([run], args.plot)
+        print("plots: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def _add_model_flops(runs, model_path) -> None:
     """Each run's useful work, from the model's shape and the requests' lengths."""
     from minivllm.models.loader import load_hf_config, model_config_from_hf
@@ -116,8 +187,7 @@ def _add_model_flops(runs, model_path) -> None:
 def build_workload(args: argparse.Namespace, tokenizer, vocab_size: int) -> Workload:
     from minivllm.bench import workloads
 
-    prompt_len = LengthDistribution.parse(args.prompt_len)
-    output_len = LengthDistribution.parse(args.output_len)
+    prompt_len, output_len = args.prompt_len, args.output_len
     # Random prompt ids skip the special tokens (they sit at the start of the vocabulary).
     special = getattr(tokenizer, "all_special_ids", None) or [-1]
     token_range = (max(special) + 1, vocab_size)
@@ -141,12 +211,12 @@ def build_workload(args: argparse.Namespace, tokenizer, vocab_size: int) -> Work
 
 
 def _engine_config(args: argparse.Namespace, policy: str, max_model_len: int | None = None):
-    from minivllm.cli import engine_config_from_args
+    from minivllm.config import EngineConfig
 
-    overrides = {"policy": policy}
+    overrides = {"scheduling_policy": policy}
     if max_model_len is not None:
         overrides["max_model_len"] = max_model_len
-    return engine_config_from_args(argparse.Namespace(**{**vars(args), **overrides}))
+    return EngineConfig.from_cli_args(args, **overrides)
 
 
 def _tokenizer_and_vocab_size(model_path):
@@ -178,7 +248,7 @@ def _hf_runs(args, config, model_path, workload: Workload, num_kv_blocks, progre
 
 
 def _default_model() -> str:
-    from minivllm.model_files import default_model_path
+    from minivllm.models.model_files import default_model_path
 
     return str(default_model_path())
 
@@ -193,6 +263,14 @@ def _context(args, config, workload: Workload, max_model_len: int, num_kv_blocks
         mode += f", max concurrency {args.max_concurrency}"
     import torch
 
+    if config is None:  # --base-url: the server's configuration is its own
+        title = f"server {args.base_url} over HTTP\n{workload.describe()} | {mode}"
+        return {
+            "title": title,
+            "command": "minivllm " + shlex.join(sys.argv[1:]) if sys.argv else None,
+            "base_url": args.base_url,
+            "workload": _workload_json(args, workload, mode),
+        }
     model = config.model or "SmolLM2-135M-Instruct"
     title = (
         f"{model} | {config.torch_dtype} on {config.torch_device}, "
@@ -211,14 +289,18 @@ def _context(args, config, workload: Workload, max_model_len: int, num_kv_blocks
         "title": title,
         "command": "minivllm " + shlex.join(sys.argv[1:]) if sys.argv else None,
         "engine_config": engine_config,
-        "workload": {
-            "description": workload.describe(),
-            "num_requests": len(workload.requests),
-            "num_prompt_tokens": workload.num_prompt_tokens,
-            "num_output_tokens": workload.num_output_tokens,
-            "mode": mode,
-            "request_rate": args.request_rate if math.isfinite(args.request_rate) else None,
-            "max_concurrency": args.max_concurrency,
-        },
+        "workload": _workload_json(args, workload, mode),
         "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _workload_json(args, workload: Workload, mode: str) -> dict:
+    return {
+        "description": workload.describe(),
+        "num_requests": len(workload.requests),
+        "num_prompt_tokens": workload.num_prompt_tokens,
+        "num_output_tokens": workload.num_output_tokens,
+        "mode": mode,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else None,
+        "max_concurrency": args.max_concurrency,
     }

@@ -18,10 +18,11 @@ import time
 import torch
 from tqdm import tqdm
 
+from minivllm.bench.metrics import RequestResult, summarize
 from minivllm.bench.runner import BenchRun
 from minivllm.bench.workloads import Workload
-from minivllm.metrics import RequestResult, summarize
 from minivllm.sequence import RequestMetrics
+from minivllm.utils import cdiv
 
 
 def load_hf_model(model_path: str, dtype: torch.dtype, device: torch.device):
@@ -119,7 +120,7 @@ def run_hf_continuous(
     cb_config = ContinuousBatchingConfig(
         max_requests_per_batch=max_num_seqs,
         max_batch_tokens=max_num_batched_tokens,
-        num_blocks=-(-kv_cache_tokens // ContinuousBatchingConfig().page_size),
+        num_blocks=cdiv(kv_cache_tokens, ContinuousBatchingConfig().page_size),
     )
     # warmup=False: its warm-up captures CUDA graphs (~20 s of nothing on a CPU); our own
     # short warm-up request below builds the batch processor instead, untimed.

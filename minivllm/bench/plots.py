@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from minivllm.bench.runner import BenchRun
+from minivllm.utils import cdiv
 
 COLOURS = {
     "queued": "#d9d9d9",
@@ -130,7 +131,7 @@ def plot_batch_and_kv(runs: list[BenchRun], path: Path) -> Path:
         used = [step.num_kv_blocks_used for step in run.steps]
         kv_ax.step(times, used, where="post", color=line.get_color(), label=f"{run.name}: in use")
         if run.block_size:
-            needed = [-(-step.num_kv_tokens_stored // run.block_size) for step in run.steps]
+            needed = [cdiv(step.num_kv_tokens_stored, run.block_size) for step in run.steps]
             kv_ax.step(
                 times, needed, where="post", ls=":", color=line.get_color(),
                 label=f"{run.name}: holding real tokens",

@@ -6,8 +6,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from minivllm.bench.metrics import RunSummary
 from minivllm.bench.runner import BenchRun
-from minivllm.metrics import RunSummary
 
 COLUMN_TITLES = {
     "static": "static",

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from minivllm.bench.metrics import RequestResult, RunSummary, summarize
 from minivllm.bench.workloads import BenchRequest, Workload
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
-from minivllm.metrics import RequestResult, RunSummary, StepStats, summarize
+from minivllm.metrics import StepStats
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -55,6 +56,8 @@ def run_engine(
 ) -> BenchRun:
     """Run ``workload`` on a fresh engine built from ``config`` (or on ``engine``) after a
     short warm-up, and measure it."""
+    if max_concurrency is not None and max_concurrency < 1:  # would never send a request
+        raise ValueError(f"max_concurrency must be a positive int or None, got {max_concurrency}")
     engine = engine or LLMEngine(config)
     _warm_up(engine, workload)
     engine.step_log = []

@@ -9,6 +9,7 @@ change the compute, their lengths do. The same seed always gives the same worklo
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -78,10 +79,15 @@ class LengthDistribution:
             args = tuple(float(a) for a in rest)
         except ValueError:
             args = ()
-        if kind not in arity or len(args) != arity[kind] or min(args) <= 0:
+        # Lengths of at least one token; lognormal's SIGMA just positive. NaN fails both.
+        lowest = [0 if kind == "lognormal" and i == 1 else 1 for i in range(len(args))]
+        valid = len(args) == arity.get(kind) and all(
+            low <= a < math.inf and a > 0 for a, low in zip(args, lowest)
+        )
+        if not valid:
             raise ValueError(
                 f"bad length distribution {spec!r}; use N, fixed:N, uniform:LO:HI or "
-                f"lognormal:MEDIAN:SIGMA:LO:HI with positive numbers"
+                f"lognormal:MEDIAN:SIGMA:LO:HI with finite lengths >= 1 and SIGMA > 0"
             )
         return cls(kind, args)
 

@@ -4,7 +4,10 @@ Differences between the families are three switches in `ModelConfig`: a bias on 
 q/k/v projections (Qwen2), an RMSNorm on each head's queries and keys (Qwen3), and the
 head dimension. Unlike a Hugging Face model, this one sees no batch dimension and no
 padding: its input is the step's flattened tokens ``[num_tokens]`` with their positions,
-and attention goes through the paged KV cache via `AttentionMetadata`.
+and attention goes through the paged KV cache via `AttentionMetadata`. The projections are
+`Linear` layers (`minivllm/models/linear.py`): ``nn.Linear`` plus, on CPU, a copy of the
+weight prepacked for oneDNN's GEMM once the checkpoint is loaded, which keeps decode's
+few-row matmuls near memory speed.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention import AttentionBackend, AttentionMetadata, write_kv_cache
+from minivllm.models.linear import Linear
 
 
 @dataclass
@@ -65,12 +69,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same operation order as transformers (fp32 statistics), so outputs match it bit
-        # for bit where possible: greedy parity depends on it.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # transformers computes x * rsqrt(mean(x^2) + eps) in fp32, then the weight in the
+        # input dtype; torch's fused rms_norm gives the same bits in fp32 in one op.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -106,10 +111,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v projections fused into one matmul.
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -125,13 +130,14 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # [num_tokens, num_heads + 2 * num_kv_heads, head_dim]: query heads, key heads, values.
+        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+        qk, v = qkv[:, : -self.num_kv_heads], qkv[:, -self.num_kv_heads :]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        # Queries and keys turn by the same angles: one rotation for both.
+        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         key_cache, value_cache = kv_cache  # each [num_blocks, block_size, kv_heads, head_dim]
         write_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
         out = self.backend.forward(q.contiguous(), key_cache, value_cache, metadata, self.scale)
@@ -143,12 +149,10 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         # gate and up projections fused into one matmul.
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -178,13 +182,20 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
         self.rotary = RotaryEmbedding(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
         """Small models reuse the input embedding as the output projection."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def process_weights_after_loading(self, prepack: bool = True) -> None:
+        """Once the checkpoint is in: prepack every projection for the CPU GEMM where this
+        machine can (see `minivllm.models.linear`); ``prepack=False`` goes back to F.linear."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading(prepack)
 
     def forward(
         self,

@@ -115,7 +115,9 @@ def load_model(
     model.tie_weights()  # to_empty made new parameters, untying them
     model.rotary = RotaryEmbedding(config).to(device)  # computed, not loaded: build it for real
     _load_weights(model, Path(path), config)
-    return model.to(dtype).eval(), hf_config
+    model = model.to(dtype).eval()
+    model.process_weights_after_loading()
+    return model, hf_config
 
 
 def _load_weights(model: CausalLM, path: Path, config: ModelConfig) -> None:

@@ -5,7 +5,7 @@ through transformers takes ~20 s (it dequantizes every tensor), so the first use
 it to an ordinary fp32 safetensors checkpoint under ``~/.cache/minivllm/`` (override with
 ``MINIVLLM_CACHE``); every later load reads that in about a second.
 
-Run ``python -m minivllm.model_files`` to do the conversion ahead of time.
+Run ``python -m minivllm.models.model_files`` to do the conversion ahead of time.
 """
 
 from __future__ import annotations

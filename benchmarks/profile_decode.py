@@ -1,0 +1,206 @@
+"""Where each millisecond of a decode step goes, per batch size (torch.profiler).
+
+    python benchmarks/profile_decode.py [--batches 1 4 16 32] [--attention-backend auto]
+    python benchmarks/profile_decode.py --numba-launch   # serial vs parallel numba kernel
+    python benchmarks/profile_decode.py --gemm           # F.linear vs oneDNN-prepacked
+    python benchmarks/profile_decode.py --engine         # LLM.generate, both ways in turn
+
+Builds the same decode steps as ``benchmarks/roofline.py`` (contexts uniform in 100-500,
+seed 0) and profiles a few of them. For each batch size it prints the step's wall time
+and the torch ops that took the most of it (self CPU time, summed over the profiled
+steps and divided by their number); the attention kernel shows up as
+``attention_backend``. What the table does not cover is Python overhead between ops.
+
+``--numba-launch`` instead times the two builds of the numba-cpu kernel (serial and
+parallel) on one layer's attention of each decode batch: the numbers behind
+``SERIAL_WORK_LIMIT`` in ``kernels/numba_cpu.py``. ``--gemm`` times each of SmolLM2's
+weight shapes with as many rows as sequences: ``F.linear`` on the row-major weight against
+the oneDNN-prepacked weight `minivllm.models.linear.Linear` uses. ``--engine`` runs
+`LLM.generate` on 16 seeded prompts (16-300 tokens, 24 greedy output tokens each), in turn
+as is and with roofline.py's `unoptimized` switches, twice each, in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).parent))
+from roofline import BLOCK_SIZE, build_step, load_smollm2  # noqa: E402
+
+
+def wrap_attention(backend) -> None:
+    """Label the backend's calls in the profile (the numba kernel is not a torch op)."""
+    forward = backend.forward
+
+    def labelled(*args, **kwargs):
+        with record_function("attention_backend"):
+            return forward(*args, **kwargs)
+
+    backend.forward = labelled
+
+
+def profile_decode(model, batch: int, steps: int, top: int) -> None:
+    import random
+
+    config = model.config
+    rng = random.Random(0)
+    contexts = [rng.randint(100, 500) for _ in range(batch)]
+    num_blocks = sum(-(-c // BLOCK_SIZE) for c in contexts) + 16
+    kv_caches = torch.zeros(
+        config.num_layers, 2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim
+    )
+    input_ids, positions, metadata = build_step([1] * batch, contexts, num_blocks)
+    last_rows = (metadata.cu_seqlens_q[1:] - 1).long()
+
+    def step() -> None:
+        hidden = model(input_ids, positions, kv_caches, metadata)
+        with record_function("compute_logits"):
+            model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()
+
+    with torch.inference_mode():
+        step(), step()  # warm-up
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    averages = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    listed = sum(e.self_cpu_time_total for e in averages) / 1e3 / steps
+    print(f"\n== decode {batch} seqs: {wall_ms:.1f} ms per step (profiled), ops {listed:.1f} ms")
+    print(f"{'op':<40} {'calls':>6} {'self ms':>8} {'total ms':>9}")
+    for event in averages[:top]:
+        print(
+            f"{event.key[:40]:<40} {event.count // steps:6d} "
+            f"{event.self_cpu_time_total / 1e3 / steps:8.2f} "
+            f"{event.cpu_time_total / 1e3 / steps:9.2f}"
+        )
+
+
+def time_numba_launch(batches: list[int], repeats: int = 200) -> None:
+    """Best-of-``repeats`` ms of the serial and the parallel numba kernel, SmolLM2 shapes."""
+    import random
+
+    import numba
+    import numpy as np
+    from minivllm_kernels.numba_cpu import paged_attention_kernel, paged_attention_kernel_serial
+
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    rng = random.Random(0)
+    contexts = [rng.randint(100, 500) for _ in range(max(batches))]
+    num_blocks = sum(-(-c // BLOCK_SIZE) for c in contexts) + 16
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    key_cache, value_cache = torch.randn(shape).numpy(), torch.randn(shape).numpy()
+    print(f"{'decode':<16} {'serial ms':>10} {'parallel ms':>12}  (best of {repeats})")
+    for batch in batches:
+        _, _, metadata = build_step([1] * batch, contexts[:batch], num_blocks)
+        query = torch.randn(batch, num_heads, head_dim).numpy()
+        output = np.empty_like(query)
+        common = (query, key_cache, value_cache, metadata.cu_seqlens_q.numpy(),
+                  metadata.context_lens.numpy(), metadata.block_tables.numpy(),
+                  np.float32(head_dim**-0.5), output)  # fmt: skip
+        serial = _best_ms(paged_attention_kernel_serial, common, repeats)
+        parallel = _best_ms(paged_attention_kernel, (*common, numba.get_num_threads()), repeats)
+        print(f"{batch:>3} sequences    {serial:10.3f} {parallel:12.3f}")
+
+
+def time_gemms(batches: list[int], repeats: int = 30) -> None:
+    """Best-of-``repeats`` ms and GB/s (weight bytes / time) of each projection shape."""
+    import torch.nn.functional as F
+
+    shapes = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576),
+              "down_proj": (576, 1536), "lm_head": (49152, 576)}  # fmt: skip
+    print(
+        f"{'weight':<14} {'rows':>4} {'F.linear ms':>12} {'GB/s':>6} "
+        f"{'prepacked ms':>13} {'GB/s':>6}"
+    )
+    for name, (out_features, in_features) in shapes.items():
+        weight = torch.randn(out_features, in_features)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        for rows in batches:
+            x = torch.randn(rows, in_features)
+            plain = _best_ms(F.linear, (x, weight), repeats)
+            prepacked = _best_ms(
+                torch.ops.mkldnn._linear_pointwise, (x, packed, None, "none", [], ""), repeats
+            )
+            gigabytes = weight.numel() * 4 / 1e9
+            print(f"{name:<14} {rows:>4} {plain:12.3f} {gigabytes / plain * 1e3:6.1f} "
+                  f"{prepacked:13.3f} {gigabytes / prepacked * 1e3:6.1f}")  # fmt: skip
+
+
+def time_engine(rounds: int = 2) -> None:
+    """Seconds of the same greedy generate, optimized and baseline taking turns."""
+    import random
+
+    from roofline import as_is, unoptimized
+
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM()
+    model = llm.llm_engine.executor.model
+    rng = random.Random(0)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(rng.randint(16, 300))]}
+        for _ in range(16)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for _ in range(rounds):
+        for name, variant in (("optimized", as_is), ("baseline", unoptimized(model))):
+            with variant():
+                start = time.perf_counter()
+                result = llm.generate(prompts, params, use_tqdm=False)
+                seconds = time.perf_counter() - start
+            tokens = [o.outputs[0].token_ids for o in result]
+            outputs.setdefault(name, tokens)
+            num_tokens = sum(len(t) for t in tokens)
+            print(f"{name:<10} {seconds:6.1f} s  {num_tokens / seconds:6.1f} output tok/s")
+    same = outputs["optimized"] == outputs["baseline"]
+    print(f"greedy tokens identical both ways: {same}")
+
+
+def _best_ms(kernel, args: tuple, repeats: int) -> float:
+    kernel(*args)  # compile / warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kernel(*args)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps per batch size")
+    parser.add_argument("--top", type=int, default=15, help="ops listed per batch size")
+    parser.add_argument("--numba-launch", action="store_true", help="see the module doc")
+    parser.add_argument("--gemm", action="store_true", help="see the module doc")
+    parser.add_argument("--engine", action="store_true", help="see the module doc")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.gemm:
+        time_gemms(args.batches)
+        return
+    if args.engine:
+        time_engine()
+        return
+    if args.numba_launch:
+        time_numba_launch(args.batches)
+        return
+    model = load_smollm2(args.attention_backend)
+    wrap_attention(model.layers[0].self_attn.backend)
+    for batch in args.batches:
+        profile_decode(model, batch, args.steps, args.top)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""`AsyncLLM`: the engine behind an asyncio server (vLLM's ``AsyncLLM``, in one process).
+
+`LLMEngine` is synchronous and not thread-safe, and one step is 10-500 ms of CPU work, so
+it cannot run on the event loop. Instead one background thread owns the engine:
+
+    event loop (HTTP handlers)              engine thread
+    --------------------------              -------------
+    add_request() ── command queue ──────▶  apply adds / aborts between two steps
+                                            step() while work exists, else sleep on an Event
+    RequestStream ◀── call_soon_threadsafe ─ each RequestOutput to its request's queue
+
+A request that arrives while a step runs waits in the command queue and joins the batch
+at the next step: continuous batching, online. Everything that touches the engine or its
+tokenizer (tokenizing a prompt included) runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import traceback
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from minivllm.engine import LLMEngine, Prompt
+from minivllm.metrics import StepStats
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("minivllm.serve")
+
+PromptFactory = Callable[[], Prompt]  # builds the engine prompt on the engine thread
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+@dataclass
+class StepRecord:
+    """One engine step as the live page and /metrics see it (a numbered `StepStats`)."""
+
+    index: int
+    stats: StepStats
+
+
+class RequestStream:
+    """The outputs of one request, in order, as an async iterator.
+
+    Leaving the iteration early (the client went away, the handler was cancelled) aborts
+    the request in the engine at once, which frees its KV blocks."""
+
+    def __init__(self, request_id: str, async_llm: AsyncLLM) -> None:
+        self.request_id = request_id
+        self._async_llm = async_llm
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()  # the event loop its consumer runs on
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called on the stream's event loop."""
+        self._queue.put_nowait(item)
+
+    def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
+        """Called by the engine thread."""
+        with contextlib.suppress(RuntimeError):  # the event loop is already closed
+            self.loop.call_soon_threadsafe(self.put, item)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            if not self.finished:  # cancelled or closed early: free the engine's resources
+                self._async_llm.abort(self.request_id)
+
+    async def collect(self) -> RequestOutput:
+        """Wait for the end and return the last output (for FINAL_ONLY requests)."""
+        last = None
+        async for output in self:
+            last = output
+        return last
+
+
+class AsyncLLM:
+    """Serve an `LLMEngine` to many concurrent asyncio callers; see the module docstring.
+
+    ``step_listeners`` are called on the engine thread after every step with the step's
+    `StepRecord` and its outputs (the metrics use this); ``abort_listeners`` with the id
+    of each request that was aborted. A listener that raises is logged, not fatal."""
+
+    def __init__(self, engine: LLMEngine, step_history: int = 300) -> None:
+        self.engine = engine
+        self.max_model_len: int = engine.max_model_len
+        self.recent_steps: deque[StepRecord] = deque(maxlen=step_history)  # for the live page
+        self.step_listeners: list[Callable[[StepRecord, list[RequestOutput]], None]] = []
+        self.abort_listeners: list[Callable[[str], None]] = []
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_up = threading.Event()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._num_steps = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
+        self._thread.start()
+
+    # --- the event-loop side ---------------------------------------------------------------
+
+    async def add_request(
+        self, request_id: str, prompt: Prompt | PromptFactory, params: SamplingParams
+    ) -> RequestStream:
+        """Queue a request; returns once the engine accepted it. A bad prompt raises the
+        engine's ValueError here, before any output (so a server can still answer 400).
+
+        ``prompt`` may be a function, called on the engine thread, so that tokenizing
+        (which uses the engine's tokenizer) never races with a step."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop is not running")
+        stream = RequestStream(request_id, self)
+        accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def add() -> None:
+            try:
+                engine_prompt = prompt() if callable(prompt) else prompt
+                self.engine.add_request(request_id, engine_prompt, params)
+            except Exception as e:  # bad input fails this request only
+                _resolve(accepted, e)
+                return
+            self._streams[request_id] = stream
+            _resolve(accepted, None)
+
+        self._submit(add)
+        try:
+            await accepted
+        except asyncio.CancelledError:  # the client left before the engine saw the request
+            self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(
+        self, request_id: str, prompt: Prompt | PromptFactory, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """vLLM's ``AsyncLLM.generate``: add the request, then yield its outputs."""
+        stream = await self.add_request(request_id, prompt, params)
+        async for output in stream:
+            yield output
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request at the next gap between steps (safe from any thread)."""
+
+        def abort() -> None:
+            self._streams.pop(request_id, None)
+            if self.engine.abort_request(request_id):
+                for listener in self.abort_listeners:
+                    _call_logged(listener, request_id)
+
+        self._submit(abort)
+
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer: use it only inside a prompt function (engine thread)."""
+        return self.engine.get_tokenizer()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    @property
+    def num_steps(self) -> int:
+        return self._num_steps
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread after its current step; unfinished requests end with an
+        EngineDeadError."""
+        self._stopping = True
+        self._wake_up.set()
+        self._thread.join(timeout)
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake_up.set()
+
+    # --- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        engine.step_log = []  # the engine records a StepStats per step; taken after each
+        while not self._stopping:
+            # Clear before draining: a command queued after the drain sets the event again,
+            # so the wait below cannot miss it.
+            self._wake_up.clear()
+            self._apply_commands()
+            if not engine.has_unfinished_requests():
+                self._wake_up.wait()  # idle: sleep, no busy loop
+                continue
+            self._step()
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            _call_logged(command)
+
+    def _step(self) -> None:
+        engine = self.engine
+        try:
+            outputs = engine.step()
+        except Exception as e:
+            self._fail_step(e)
+            return
+        steps, engine.step_log = engine.step_log, []
+        for stats in steps:
+            self._num_steps += 1
+            record = StepRecord(self._num_steps, stats)
+            self.recent_steps.append(record)
+            for listener in self.step_listeners:
+                _call_logged(listener, record, outputs)
+        # One wake-up of the event loop per step, not one per output.
+        deliveries = []
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted by its caller while this step ran
+            deliveries.append((stream, output))
+            if output.finished:
+                del self._streams[output.request_id]
+        _deliver_threadsafe(deliveries)
+
+    def _fail_step(self, error: Exception) -> None:
+        """A step raised: fail the requests it held (their state is suspect), keep the
+        rest and the server going."""
+        logger.error("engine step failed:\n%s", traceback.format_exc())
+        scheduled = self.engine.last_step
+        ids = scheduled.prefill_ids + scheduled.decode_ids if scheduled else list(self._streams)
+        for request_id in ids:
+            self.engine.abort_request(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put_threadsafe(RuntimeError(f"the engine failed on this request: {error}"))
+        self.engine.step_log = []
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            stream.put_threadsafe(error)
+        self._streams.clear()
+
+
+def _call_logged(function: Callable, *args) -> None:
+    """Run a command or listener on the engine thread; a bug in one must not stop it."""
+    try:
+        function(*args)
+    except Exception:
+        logger.exception("error on the engine thread (the loop goes on)")
+
+
+def _deliver_threadsafe(deliveries: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """Hand each output to its stream, with one call into each event loop involved."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, output in deliveries:
+        by_loop.setdefault(stream.loop, []).append((stream, output))
+    for loop, items in by_loop.items():
+
+        def deliver(items=items) -> None:
+            for stream, output in items:
+                stream.put(output)
+
+        with contextlib.suppress(RuntimeError):  # the event loop is already closed
+            loop.call_soon_threadsafe(deliver)
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None, result=None) -> None:
+    """Complete an event-loop future from the engine thread."""
+
+    def set_() -> None:
+        if future.done():  # the caller was cancelled meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    future.get_loop().call_soon_threadsafe(set_)

@@ -1,0 +1,135 @@
+"""Prometheus metrics with vLLM's names (``vllm:...``), so vLLM dashboards and scrapers
+work unchanged against ``minivllm serve``'s ``/metrics``.
+
+Updated on the engine thread after every step (`AsyncLLM.step_listeners`): queue gauges and
+KV usage from the step's `StepStats`, the prompt-token counter from its prefill count, and
+from each output its new tokens, its TTFT (with the first token), ITLs (for later ones) and
+e2e latency (at the finish), read off its `RequestMetrics`. prometheus_client adds
+``_total`` to counter names when scraped (``vllm:prompt_tokens_total``).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from minivllm.entrypoints.async_llm import AsyncLLM, StepRecord
+from minivllm.outputs import RequestOutput
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0]
+TTFT_BUCKETS += [2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+ITL_BUCKETS += [5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0]
+E2E_BUCKETS += [60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ServerMetrics:
+    """The metric objects, in their own registry (several servers can share a process)."""
+
+    def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name, "engine": "0"}
+        names = list(labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=self.registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=self.registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            metric = Histogram(name, doc, names, buckets=buckets, registry=self.registry)
+            return metric.labels(**labels)
+
+        self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions (by recompute).")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        success = Counter(
+            "vllm:request_success",
+            "Finished requests, by finish reason.",
+            [*names, "finished_reason"],
+            registry=self.registry,
+        )
+        self.request_success = {
+            r: success.labels(**labels, finished_reason=r) for r in FINISH_REASONS
+        }
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Time between two output tokens.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS
+        )
+        self._num_kv_blocks: int = async_llm.engine.num_kv_blocks
+        self._prefix_seen = (0, 0)  # (queries, hits) already counted
+        self._engine = async_llm.engine
+        async_llm.step_listeners.append(self.on_step)
+        async_llm.abort_listeners.append(self.on_abort)
+
+    def on_step(self, record: StepRecord, outputs: list[RequestOutput]) -> None:
+        """Engine thread, after each step."""
+        step = record.stats
+        self.num_running.set(step.num_running)
+        self.num_waiting.set(step.num_waiting + step.num_preempted)
+        self.kv_cache_usage.set(step.num_kv_blocks_used / self._num_kv_blocks)
+        self.prompt_tokens.inc(step.num_prefill_tokens)
+        self.preemptions.inc(len(step.preempted_ids))
+        for output in outputs:
+            self._on_new_tokens(output)
+            if output.finished:
+                self._on_finished(output)
+        if self._engine.config.enable_prefix_caching:
+            self._count_prefix_cache()
+
+    def on_abort(self, request_id: str) -> None:
+        self.request_success["abort"].inc()
+        stats = self._engine.stats()  # the engine thread calls this, between steps
+        self.num_running.set(stats["num_running"])
+        self.num_waiting.set(stats["num_waiting"] + stats["num_preempted"])
+        used = stats["num_kv_blocks"] - stats["num_free_blocks"]
+        self.kv_cache_usage.set(used / stats["num_kv_blocks"])
+
+    def _on_new_tokens(self, output: RequestOutput) -> None:
+        """Count the output's new tokens; observe TTFT with the first one and an ITL for
+        each later one, as they happen (as vLLM does, once per step)."""
+        # A stream's (DELTA) output carries only the new tokens; a plain request's
+        # (FINAL_ONLY) one carries all of them, once: both are "the tokens not yet seen".
+        num_new = len(output.outputs[0].token_ids)
+        self.generation_tokens.inc(num_new)
+        metrics = output.metrics
+        if metrics is None or num_new == 0:
+            return
+        times = metrics.token_times
+        first_new = len(times) - num_new
+        if first_new == 0 and metrics.ttft is not None:
+            self.ttft.observe(metrics.ttft)
+        for i in range(max(first_new, 1), len(times)):
+            self.itl.observe(times[i] - times[i - 1])
+
+    def _on_finished(self, output: RequestOutput) -> None:
+        reason = output.outputs[0].finish_reason or "stop"
+        self.request_success[reason].inc()
+        if output.metrics is not None and output.metrics.e2e_latency is not None:
+            self.e2e.observe(output.metrics.e2e_latency)
+
+    def _count_prefix_cache(self) -> None:
+        stats = self._engine.stats()
+        queries, hits = stats["prefix_cache_query_tokens"], stats["prefix_cache_hit_tokens"]
+        seen_queries, seen_hits = self._prefix_seen
+        if queries < seen_queries:  # the cache's counters were reset
+            seen_queries = seen_hits = 0
+        self.prefix_queries.inc(queries - seen_queries)
+        self.prefix_hits.inc(hits - seen_hits)
+        self._prefix_seen = (queries, hits)

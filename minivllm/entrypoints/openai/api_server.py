@@ -1,0 +1,239 @@
+"""``minivllm serve``: an OpenAI-compatible HTTP server on FastAPI + uvicorn.
+
+Routes (vLLM's shapes): POST /v1/completions, POST /v1/chat/completions (JSON or SSE),
+GET /v1/models, /health, /version, /metrics (Prometheus, vLLM's names), and the live page
+GET / with its data at GET /live/state. Bad input is a 400 (404 for an unknown model)
+with ``{"error": {"message", "type", "param", "code"}}``.
+
+    python -m minivllm.entrypoints.openai.api_server --port 8000 [engine options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import logging
+import signal
+import socket
+import threading
+import time
+
+import prometheus_client
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from minivllm.engine import LLMEngine
+from minivllm.entrypoints.async_llm import AsyncLLM
+from minivllm.entrypoints.live import PAGE, LiveRequests, live_state
+from minivllm.entrypoints.metrics import ServerMetrics
+from minivllm.entrypoints.openai.errors import error_body, error_from_exception
+from minivllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from minivllm.entrypoints.openai.serving import OpenAIServing
+
+logger = logging.getLogger("minivllm.serve")
+
+try:
+    VERSION = importlib.metadata.version("minivllm")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree
+    VERSION = "0.1.0"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def build_app(async_llm: AsyncLLM, model_name: str) -> FastAPI:
+    """The FastAPI app serving ``async_llm`` under ``model_name``. The caller owns the
+    `AsyncLLM` (and shuts it down)."""
+    prometheus_client.disable_created_metrics()  # no `_created` series, as in vLLM
+    live = LiveRequests(start_time=time.perf_counter())
+    serving = OpenAIServing(async_llm, model_name, live)
+    # Called on the engine thread; setting one attribute of a listed request is safe there.
+    async_llm.abort_listeners.append(lambda request_id: live.fail(request_id, "abort"))
+    metrics = ServerMetrics(async_llm, model_name)
+    app = FastAPI(title="minivllm", version=VERSION)
+    app.state.async_llm = async_llm
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI answers 422; OpenAI and vLLM answer 400 naming the field.
+        errors = exc.errors()
+        if any(e["type"] == "json_invalid" for e in errors):
+            return JSONResponse(error_body("the body is not valid JSON", 400), status_code=400)
+        fields = [".".join(str(p) for p in e["loc"] if p != "body") or "body" for e in errors]
+        message = "; ".join(f"{field}: {e['msg']}" for field, e in zip(fields, errors))
+        param = fields[0].split(".")[0] if fields else None
+        return JSONResponse(error_body(message, 400, param), status_code=400)
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
+        return await _respond(raw, serving.create_completion(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        return await _respond(raw, serving.create_chat_completion(request))
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=model_name, root=model_name, max_model_len=async_llm.max_model_len)
+        return ModelList(data=[card])
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if async_llm.is_alive else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def live_page() -> HTMLResponse:
+        return HTMLResponse(PAGE.read_text())
+
+    @app.get("/live/state")
+    async def live_data(since: int = 0) -> dict:
+        return live_state(async_llm, live, since)
+
+    return app
+
+
+async def _respond(raw: Request, work) -> Response:
+    """Run a route's work; turn its result or exception into the HTTP response.
+
+    A plain response is awaited while watching the connection: if the client goes away
+    first, the work is cancelled, which aborts its engine request (vLLM's
+    ``with_cancellation``). A stream's disconnects are seen by Starlette itself."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_client_gone(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler itself is cancelled (the server is stopping)
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # its request stream aborts the engine request
+    if not task.done():
+        return Response(status_code=499)  # nobody is listening any more
+    try:
+        result = task.result()
+    except Exception as e:
+        status, body = error_from_exception(e)
+        return JSONResponse(body, status_code=status)
+    if hasattr(result, "__aiter__"):
+        return StreamingResponse(result, media_type="text/event-stream")
+    return JSONResponse(result.model_dump())
+
+
+async def _client_gone(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+# --- running it ---------------------------------------------------------------------------
+
+
+def serve(engine: LLMEngine, host: str, port: int, model_name: str, log_level="info") -> None:
+    """Serve until SIGINT or SIGTERM, then stop the engine thread and return.
+
+    uvicorn catches both signals, drains open connections (up to 5 s), and re-raises the
+    signal once it has stopped; the handlers below turn that into a normal return."""
+    async_llm = AsyncLLM(engine)
+    app = build_app(async_llm, model_name)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+    )
+    previous = signal.signal(signal.SIGTERM, _exit_quietly)
+    try:
+        uvicorn.Server(config).run()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        async_llm.shutdown()
+
+
+def _exit_quietly(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+class BackgroundServer:
+    """A server on a background thread of this process, e.g. in a notebook or a test:
+
+        with BackgroundServer(engine) as server:
+            httpx.get(server.url + "/health")
+
+    Listens on ``host`` and a free port the OS picks (unless ``port`` is given)."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model_name: str = DEFAULT_MODEL_NAME,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.async_llm = AsyncLLM(engine)
+        self.app = build_app(self.async_llm, model_name)
+        self._socket = socket.create_server((host, port))
+        bound_host, bound_port = self._socket.getsockname()[:2]
+        self.url = f"http://{bound_host}:{bound_port}"
+        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True
+        )
+
+    def __enter__(self) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+        self._socket.close()
+        self.async_llm.shutdown()
+
+
+def run_serve(args: argparse.Namespace, engine_config) -> int:
+    """The ``serve`` subcommand, given its parsed arguments and the `EngineConfig`."""
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    engine = LLMEngine(engine_config)
+    model_name = args.served_model_name or engine_config.model or DEFAULT_MODEL_NAME
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s")
+    serve(engine, args.host, args.port, model_name, args.log_level)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from minivllm.config import EngineConfig
+    from minivllm.entrypoints.openai.cli_args import add_server_arguments
+
+    parser = argparse.ArgumentParser(description="minivllm's OpenAI-compatible server")
+    add_server_arguments(parser)
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = EngineConfig.from_cli_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return run_serve(args, config)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

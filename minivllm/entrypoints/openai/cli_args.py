@@ -1,0 +1,20 @@
+"""``minivllm serve``'s own options (vLLM's ``cli_args.py``); the engine options come from
+the shared engine argument group. Kept free of heavy imports, so building the CLI parser
+does not need the server's dependencies."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients send as `model` (default: --model, or the bundled model's)",
+    )
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

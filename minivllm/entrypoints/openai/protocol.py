@@ -1,0 +1,205 @@
+"""The OpenAI API's request and response bodies, as pydantic models (vLLM's protocol.py).
+
+Only the fields minivllm implements are declared; unknown fields are ignored, as in
+current vLLM. Field types are checked by pydantic (a wrong type is a 400 naming the
+field); value ranges by `SamplingParams`, so the rules live in one place.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int  # the HTTP status, as vLLM sends it
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# --- requests -------------------------------------------------------------------------------
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIBaseModel):
+    """What completions and chat requests share."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # vLLM extra; 0 or -1 = off
+    min_p: float = 0.0  # vLLM extra
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extra
+    ignore_eos: bool = False  # vLLM extra
+    min_tokens: int = 0  # vLLM extra
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """Raises ValueError naming the bad field (its first word) for a bad value."""
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            # Streams get each step's new text; a plain response only the final result.
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        )
+
+
+class CompletionRequest(SamplingFields):
+    # Text, or token ids (what `vllm bench serve` and `minivllm bench --base-url` send).
+    # A list of several prompts (a batch in one request) is not supported.
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    max_tokens: int | None = None  # the deprecated alias
+    logprobs: bool = False
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+# --- responses ------------------------------------------------------------------------------
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class CompletionChoice(OpenAIBaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(OpenAIBaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(OpenAIBaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "minivllm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,295 @@
+"""The completions and chat routes' logic: request body -> engine request -> response body
+or SSE stream (vLLM's ``serving_completion.py`` / ``serving_chat.py``, in one file).
+
+A plain response is one FINAL_ONLY request awaited to the end. A stream is a DELTA request:
+one ``data: {json}`` event per engine output that brings new text, the finish reason in
+the last choice event, then (with ``stream_options.include_usage``) a usage event with
+``choices: []``, then ``data: [DONE]``. An error after the stream started goes in-band as
+``data: {"error": ...}``, since the 200 status is already sent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from minivllm.chat import chat_prompt
+from minivllm.engine import Prompt
+from minivllm.entrypoints.async_llm import AsyncLLM, RequestStream
+from minivllm.entrypoints.live import LiveRequests
+from minivllm.entrypoints.openai.errors import RequestError, error_from_exception
+from minivllm.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    SamplingFields,
+    UsageInfo,
+)
+from minivllm.outputs import RequestOutput
+
+logger = logging.getLogger("minivllm.serve")
+
+
+@dataclass
+class Accepted:
+    """A request the engine took: its stream and what every response chunk repeats."""
+
+    request_id: str
+    stream: RequestStream
+    created: int
+    model: str
+
+
+class OpenAIServing:
+    """Turns API requests into engine requests for one served model."""
+
+    def __init__(self, async_llm: AsyncLLM, model_name: str, live: LiveRequests) -> None:
+        self.async_llm = async_llm
+        self.model_name = model_name
+        self.live = live
+
+    # --- completions ---------------------------------------------------------------------
+
+    async def create_completion(self, request: CompletionRequest):
+        """A `CompletionResponse`, or an SSE event iterator when streaming."""
+        for field in ("echo", "suffix", "logprobs"):
+            if getattr(request, field):
+                raise RequestError(f"{field} is not supported by minivllm", field)
+        prompt = _single_prompt(request.prompt)
+        label = prompt if isinstance(prompt, str) else f"[{len(prompt)} token ids]"
+        accepted = await self._accept(
+            "cmpl", request, request.max_tokens, self._completion_prompt(prompt, request), label
+        )
+        if request.stream:
+            return self._completion_events(accepted, request.include_usage_in_stream)
+        final = await accepted.stream.collect()
+        self.live.update(final)
+        completion = final.outputs[0]
+        return CompletionResponse(
+            id=accepted.request_id,
+            created=accepted.created,
+            model=accepted.model,
+            choices=[
+                CompletionChoice(
+                    text=completion.text,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+            ],
+            usage=_usage(final),
+        )
+
+    def _completion_prompt(self, prompt: str | list[int], request) -> Callable[[], Prompt]:
+        def build() -> Prompt:  # runs on the engine thread
+            if isinstance(prompt, str):
+                ids = self.async_llm.tokenizer(prompt).input_ids
+                engine_prompt = {"prompt": prompt, "prompt_token_ids": ids}
+            else:
+                engine_prompt = {"prompt_token_ids": prompt}
+            self._check_context_length(engine_prompt, request.max_tokens, "prompt", "max_tokens")
+            return engine_prompt
+
+        return build
+
+    async def _completion_events(self, accepted: Accepted, include_usage: bool):
+        def chunk(output: RequestOutput) -> CompletionResponse:
+            completion = output.outputs[0]
+            choice = CompletionChoice(
+                text=completion.text,
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+            return CompletionResponse(
+                id=accepted.request_id,
+                created=accepted.created,
+                model=accepted.model,
+                choices=[choice],
+            )
+
+        async for event in self._events(accepted, chunk, None, include_usage):
+            yield event
+
+    # --- chat ----------------------------------------------------------------------------
+
+    async def create_chat_completion(self, request: ChatCompletionRequest):
+        if request.logprobs:
+            raise RequestError("logprobs is not supported by minivllm", "logprobs")
+        messages = [{"role": m.role, "content": _text_content(m.content)} for m in request.messages]
+        max_tokens = request.requested_max_tokens
+        accepted = await self._accept(
+            "chatcmpl",
+            request,
+            max_tokens,
+            self._chat_prompt(messages, max_tokens),
+            messages[-1]["content"],
+        )
+        if request.stream:
+            return self._chat_events(accepted, request.include_usage_in_stream)
+        final = await accepted.stream.collect()
+        self.live.update(final)
+        completion = final.outputs[0]
+        return ChatCompletionResponse(
+            id=accepted.request_id,
+            created=accepted.created,
+            model=accepted.model,
+            choices=[
+                ChatChoice(
+                    message=ChatResponseMessage(content=completion.text),
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+            ],
+            usage=_usage(final),
+        )
+
+    def _chat_prompt(self, messages: list[dict], max_tokens: int | None) -> Callable[[], Prompt]:
+        def build() -> Prompt:  # runs on the engine thread
+            try:
+                engine_prompt = chat_prompt(self.async_llm.tokenizer, messages)
+            except ValueError as e:  # no chat template
+                raise RequestError(str(e), "messages") from e
+            self._check_context_length(
+                engine_prompt, max_tokens, "messages", "max_completion_tokens"
+            )
+            return engine_prompt
+
+        return build
+
+    async def _chat_events(self, accepted: Accepted, include_usage: bool):
+        def chunk(output: RequestOutput) -> ChatCompletionChunk:
+            completion = output.outputs[0]
+            choice = ChatStreamChoice(
+                delta=DeltaMessage(content=completion.text),
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+            return ChatCompletionChunk(
+                id=accepted.request_id,
+                created=accepted.created,
+                model=accepted.model,
+                choices=[choice],
+            )
+
+        # The role comes with the first output, not before: a client timing the first
+        # event (vllm bench serve) then measures the real time to first token.
+        role = ChatCompletionChunk(
+            id=accepted.request_id,
+            created=accepted.created,
+            model=accepted.model,
+            choices=[ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))],
+        )
+        async for event in self._events(accepted, chunk, role, include_usage):
+            yield event
+
+    # --- shared --------------------------------------------------------------------------
+
+    async def _accept(
+        self,
+        prefix: str,
+        request: SamplingFields,
+        max_tokens: int | None,
+        prompt: Callable[[], Prompt],
+        label: str,
+    ) -> Accepted:
+        """Check the model and the parameters, and hand the request to the engine. Every
+        bad input raises before the engine does any work for it. ``label``: the prompt as
+        the live page lists it."""
+        self.check_model(request.model)
+        params = request.sampling_params(max_tokens)
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        stream = await self.async_llm.add_request(request_id, prompt, params)
+        self.live.add(request_id, params, label)
+        return Accepted(request_id, stream, int(time.time()), self.model_name)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(f"The model `{model}` does not exist.", "model", status=404)
+
+    def _check_context_length(
+        self, prompt: dict, max_tokens: int | None, prompt_param: str, max_tokens_param: str
+    ) -> None:
+        """vLLM's rule and wording: the prompt must leave room for one token, and prompt +
+        max_tokens must fit in the context."""
+        limit, num_prompt = self.async_llm.max_model_len, len(prompt["prompt_token_ids"])
+        if num_prompt >= limit:
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {num_prompt} input tokens. Please reduce the length of the "
+                "input messages.",
+                prompt_param,
+            )
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise RequestError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                f"model's maximum context length is {limit} tokens and your request has "
+                f"{num_prompt} input tokens ({max_tokens} > {limit} - {num_prompt}).",
+                max_tokens_param,
+            )
+
+    async def _events(self, accepted: Accepted, chunk, first, include_usage: bool):
+        """The SSE events of one stream: ``first`` (if any) with the first output, a
+        chunk per output that brings text or the finish, usage, [DONE]."""
+        num_prompt = num_output = 0
+        try:
+            async for output in accepted.stream:
+                self.live.update(output)
+                num_prompt = len(output.prompt_token_ids)
+                num_output += len(output.outputs[0].token_ids)
+                if first is not None:
+                    yield _sse(first.model_dump_json())
+                    first = None
+                if output.outputs[0].text or output.finished:  # skip empty deltas
+                    yield _sse(chunk(output).model_dump_json())
+            if include_usage:
+                usage = chunk(output).model_copy(
+                    update={"choices": [], "usage": UsageInfo.of(num_prompt, num_output)}
+                )
+                yield _sse(usage.model_dump_json())
+        except Exception as e:  # the status line is sent: report the error in-band
+            logger.warning("request %s failed mid-stream: %s", accepted.request_id, e)
+            self.live.fail(accepted.request_id)
+            _, body = error_from_exception(e)
+            yield _sse(json.dumps(body))
+        yield _sse("[DONE]")
+
+
+def _single_prompt(prompt) -> str | list[int]:
+    """One prompt: text or token ids. A batch in one request (a list of prompts) is not
+    supported, except a list holding exactly one."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise RequestError(
+                f"a list of {len(prompt)} prompts in one request is not supported; "
+                "send one request per prompt",
+                "prompt",
+            )
+        prompt = prompt[0]
+    if len(prompt) == 0:
+        raise RequestError("prompt is empty", "prompt")
+    return prompt
+
+
+def _text_content(content: str | list[dict] | None) -> str:
+    """A message's text; content given as parts keeps the text parts only."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+
+
+def _usage(output: RequestOutput) -> UsageInfo:
+    return UsageInfo.of(len(output.prompt_token_ids), len(output.outputs[0].token_ids))
+
+
+def _sse(data: str) -> str:
+    return f"data: {data}\n\n"

@@ -1,0 +1,116 @@
+"""From sampled token ids to what the user sees (vLLM's ``OutputProcessor``).
+
+Appends each request's new tokens, decodes them, decides whether the request stops (EOS,
+a stop token id or stop string, ``max_tokens``, ``max_model_len``) and builds the
+`RequestOutput` its ``output_kind`` asks for. The engine then tells the scheduler which
+requests finished. This is the one place stops are decided: the engine, the CLI and any
+server see the same text. (The sampler's part: EOS and stop ids are masked before
+``min_tokens``, see sampler.py.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minivllm.detokenizer import Detokenizer
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import RequestOutputKind
+from minivllm.sequence import FinishReason, Sequence
+
+
+@dataclass
+class StopDecision:
+    reason: FinishReason
+    stop_reason: str | int | None = None  # the stop string or stop token id that fired
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.detokenizers: dict[str, Detokenizer] = {}
+
+    def add_request(self, seq: Sequence) -> None:
+        self.detokenizers[seq.request_id] = Detokenizer(self.tokenizer, seq.sampling_params)
+
+    def abort_request(self, request_id: str) -> None:
+        self.detokenizers.pop(request_id, None)
+
+    def append_tokens(self, seq: Sequence, token_ids: list[int], now: float) -> StopDecision | None:
+        """Add the step's new tokens one at a time; the first stop ends the request and
+        drops any tokens after it."""
+        for token in token_ids:
+            seq.append_token(token, now)
+            stop = self._check_stop(seq)
+            if stop is not None:
+                return stop
+        return None
+
+    def _check_stop(self, seq: Sequence) -> StopDecision | None:
+        """vLLM's order: nothing stops a request before ``min_tokens`` but a length limit;
+        from there, EOS or a stop token id, else a stop string in the new text."""
+        detokenizer = self.detokenizers[seq.request_id]
+        stop = self._check_stop_token(seq)
+        stop_string = detokenizer.update(seq.token_ids[-1], stopped_by_token=stop is not None)
+        if stop is None and stop_string is None and self._reached_length(seq):
+            stop = StopDecision(FinishReason.LENGTH)
+        if stop is not None:
+            # The text an unfinished last character held back comes out now: it may
+            # complete a stop string too.
+            stop_string = detokenizer.finish()
+        if stop_string is not None:
+            return StopDecision(FinishReason.STOP, stop_string)
+        return stop
+
+    def _reached_length(self, seq: Sequence) -> bool:
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None and seq.num_output_tokens >= max_tokens:
+            return True
+        return seq.num_tokens >= self.max_model_len
+
+    def _check_stop_token(self, seq: Sequence) -> StopDecision | None:
+        params = seq.sampling_params
+        if seq.num_output_tokens < params.min_tokens:
+            return None
+        token = seq.token_ids[-1]
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return StopDecision(FinishReason.STOP)
+        if token in params.stop_token_ids:
+            return StopDecision(FinishReason.STOP, token)
+        return None
+
+    def make_output(self, seq: Sequence) -> RequestOutput | None:
+        """What to report for ``seq`` after this step (None: nothing, for FINAL_ONLY until
+        the end, and for DELTA after a step that gave it no token, e.g. a prefill chunk).
+        A finished request's state is dropped here."""
+        kind = seq.sampling_params.output_kind
+        finished = seq.is_finished
+        detokenizer = self.detokenizers[seq.request_id]
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        nothing_new = not detokenizer.has_unstreamed_tokens(seq.output_token_ids)
+        if kind is RequestOutputKind.DELTA and not finished and nothing_new:
+            return None
+        if finished:
+            del self.detokenizers[seq.request_id]
+        if kind is RequestOutputKind.DELTA:
+            text, token_ids = detokenizer.take_delta(seq.output_token_ids, finished)
+        else:
+            text, token_ids = detokenizer.text_to_show(finished), seq.output_token_ids
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=seq.metrics,
+            num_cached_tokens=seq.num_cached_tokens,
+        )

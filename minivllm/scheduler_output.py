@@ -1,0 +1,118 @@
+"""What the scheduler decided for one step (vLLM: ``vllm/v1/core/sched/output.py``).
+
+The model runner reads only ``chunks``: for each, token ids to compute, the position of
+the first one, and the block table whose slots hold the request's keys and values. It
+knows nothing about why a chunk is there. The rest is for the scheduler's own
+bookkeeping after the step and for whoever watches (metrics, notebooks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minivllm.sampling_params import SamplingParams
+from minivllm.sequence import Sequence
+
+
+@dataclass
+class ScheduledChunk:
+    """Token rows of one request that the model computes this step.
+
+    Row ``i`` is the token at position ``start_position + i``; its key and value go to
+    that position's slot in ``block_table``, and it attends to every earlier position.
+    ``sample``: a token is sampled from the last row's logits (so ``sampling_params`` and
+    ``generator`` are the request's, and ``num_output_tokens`` how many it has so far, for
+    ``min_tokens``); False for a prompt chunk that stops mid-prompt."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    sample: bool
+    sampling_params: SamplingParams | None = None
+    generator: object | None = None  # torch.Generator of a request that samples randomly
+    num_output_tokens: int = 0
+
+    @property
+    def context_len(self) -> int:
+        """Positions the last row attends to, itself included."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: ``num_scheduled_tokens[request_id]`` new tokens for each request in
+    ``scheduled_seqs``, computed as ``chunks``. A scheduler may add chunks that advance no
+    request (static batching's padding): their rows are computed and thrown away."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    scheduled_seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Whether each request's chunk catches up on known tokens (prefill) or computes the
+    # token just sampled (decode); fixed here, as the sequence moves on after the step.
+    is_prefill: dict[str, bool] = field(default_factory=dict)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Schedule the next ``num_new_tokens`` of ``seq``, from its ``num_computed_tokens``."""
+        start = seq.num_computed_tokens
+        samples = start + num_new_tokens == seq.num_tokens  # reaches its last known token
+        chunk = ScheduledChunk(
+            seq.request_id,
+            seq.token_ids[start : start + num_new_tokens],
+            start,
+            seq.block_table,
+            sample=samples,
+            sampling_params=seq.sampling_params,
+            generator=seq.generator,
+            num_output_tokens=seq.num_output_tokens,
+        )
+        self.chunks.append(chunk)
+        self.scheduled_seqs.append(seq)
+        self.num_scheduled_tokens[seq.request_id] = num_new_tokens
+        self.is_prefill[seq.request_id] = seq.is_prefill
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def num_rows(self) -> int:
+        """Token rows the model computes, wasted ones included."""
+        return sum(len(chunk.token_ids) for chunk in self.chunks)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(n for r, n in self.num_scheduled_tokens.items() if not self.is_prefill[r])
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.total_num_scheduled_tokens - self.num_decode_tokens
+
+    @property
+    def num_wasted_tokens(self) -> int:
+        return self.num_rows - self.total_num_scheduled_tokens
+
+    @property
+    def decode_ids(self) -> list[str]:
+        return [r for r, prefill in self.is_prefill.items() if not prefill]
+
+    @property
+    def prefill_ids(self) -> list[str]:
+        return [r for r, prefill in self.is_prefill.items() if prefill]
+
+    @property
+    def wasted_ids(self) -> list[str]:
+        """One entry per chunk of rows that advance no request."""
+        progress = dict(self.num_scheduled_tokens)
+        ids = []
+        for chunk in self.chunks:  # a request's real chunk comes before its wasted rows
+            useful = min(len(chunk.token_ids), progress.get(chunk.request_id, 0))
+            progress[chunk.request_id] = progress.get(chunk.request_id, 0) - useful
+            if useful < len(chunk.token_ids):
+                ids.append(chunk.request_id)
+        return ids

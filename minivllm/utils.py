@@ -1,0 +1,28 @@
+"""Small helpers shared by several modules."""
+
+import operator
+
+import numpy as np
+import torch
+
+# Booleans whose dtype says so: numpy and torch bool scalars are not ints either.
+_BOOL_DTYPES = (np.dtype(bool), torch.bool)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many blocks of ``b`` tokens hold ``a`` tokens."""
+    return -(-a // b)
+
+
+def as_int(name: str, value) -> int:
+    """``value`` as a plain int, if it is one: Python, numpy and torch integers, or a float
+    with an integral value (3.0), as vLLM's OpenAI server accepts them. Booleans are
+    refused although ``isinstance(True, int)``: ``top_k=True`` is a mistake, not a 1."""
+    if isinstance(value, bool) or getattr(value, "dtype", None) in _BOOL_DTYPES:
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    try:
+        return operator.index(value)  # what numpy and torch integer scalars support
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
