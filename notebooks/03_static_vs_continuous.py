@@ -87,6 +87,9 @@ for policy in ("static", "continuous"):
 print(report.format_table(runs))
 agree = report.outputs_agree(runs, "static", "continuous")
 print(f"\ngreedy outputs identical under both policies: {agree[0]}/{agree[1]} requests")
+# Padding rows never reach a real row's attention (see static_scheduler.py), so greedy
+# tokens must match exactly; a mismatch means a scheduling or attention bug.
+assert agree[0] == agree[1] == len(workload.requests), agree
 
 # %% [markdown]
 # The headline ratios, computed from the runs above (the targets are for the
@@ -103,6 +106,8 @@ print(
 )
 print(f"KV utilisation: static {static.kv_utilization:.0%}, "
       f"continuous {continuous.kv_utilization:.0%}")  # fmt: skip
+assert static.padding_waste > 0 and continuous.padding_waste == 0
+assert static.kv_utilization < continuous.kv_utilization
 
 # %% [markdown]
 # ## The timeline

@@ -188,6 +188,9 @@ same = all(
 )
 print("outputs identical to the reference run:", same)
 assert same
+# Request 0 computes the system prompt; every later one shares at least its full blocks.
+assert cached["outputs"]["0"].num_cached_tokens == 0
+assert all(cached["outputs"][rid].num_cached_tokens >= 16 for rid in "1234")
 del engine
 
 # %% [markdown]
@@ -199,6 +202,10 @@ del engine
 for name, result in [("no prefix caching", baseline), ("prefix caching", cached)]:
     prefill = sum(s.num_prefill_tokens for s in result["steps"])
     print(f"{name:18}: {prefill:5d} prefill tokens computed, {result['seconds']:5.1f} s")
+saved = sum(s.num_prefill_tokens for s in baseline["steps"]) - sum(
+    s.num_prefill_tokens for s in cached["steps"]
+)
+assert saved == stats["prefix_cache_hit_tokens"] > 0  # every hit is a prefill row not computed
 
 # %% [markdown]
 # The prefill tokens saved are exact. The time saved is small here: on this CPU, prefilling

@@ -102,3 +102,23 @@ def test_reset_prefix_cache_forgets_cached_blocks_only_when_none_is_used():
     assert allocator.reset_prefix_cache() is True
     assert allocator.get_cached_block(b"h") is None and allocator.block_hashes == [None, None]
     assert allocator.num_free_blocks == 2
+
+
+def test_only_a_used_block_can_be_cached():
+    """Caching is recorded by a block's owner right after computing it; a free block may
+    be handed out and overwritten at any moment, so naming its contents is a bug."""
+    allocator = BlockAllocator(2)
+    with pytest.raises(AssertionError, match="caching free block 0"):
+        allocator.cache_block(0, b"h")
+    block_id = allocator.allocate()
+    allocator.cache_block(block_id, b"h")
+    with pytest.raises(AssertionError, match="changed"):
+        allocator.cache_block(block_id, b"other")  # a full block is never rewritten
+
+
+def test_touching_a_used_block_keeps_the_free_queue():
+    allocator = BlockAllocator(3)
+    block_id = allocator.allocate()
+    allocator.touch(block_id)
+    assert allocator.num_free_blocks == 2 and allocator.ref_counts[block_id] == 2
+    assert allocator.num_used_blocks == 1 and allocator.num_blocks == 3

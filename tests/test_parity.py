@@ -25,10 +25,21 @@ def hf_reference(tiny_model_path):
 
 
 def _generate(path, prompts, **options):
+    """Greedy ids of every prompt, run as one batch, and the engine's per-step record."""
     llm = LLM(model=str(path), **options)
+    llm.llm_engine.step_log = []
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outputs]
+
+
+def _prefill_chunks(llm) -> dict[str, int]:
+    """How many steps computed part of each request's prompt (or recompute)."""
+    chunks: dict[str, int] = {}
+    for step in llm.llm_engine.step_log:
+        for request_id in step.prefill_ids:
+            chunks[request_id] = chunks.get(request_id, 0) + 1
+    return chunks
 
 
 def test_roomy_batch_matches_transformers(hf_reference):
@@ -36,6 +47,10 @@ def test_roomy_batch_matches_transformers(hf_reference):
     llm, got = _generate(path, prompts, block_size=4, num_kv_blocks=256)
     assert got == expected
     engine = llm.llm_engine
+    # Roomy: every prompt in one chunk, in the first step, and nobody preempted.
+    assert set(_prefill_chunks(llm).values()) == {1}
+    assert len(engine.step_log[0].prefill_ids) == len(prompts)
+    assert engine.scheduler.num_preemptions == 0
     assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
 
 
@@ -48,6 +63,12 @@ def test_chunked_prefill_matches_transformers(hf_reference):
             path, prompts, block_size=block_size, num_kv_blocks=256, max_num_batched_tokens=7
         )
         assert got == expected, f"block_size={block_size}"
+        # The chunking really happened: no step ran more than 7 tokens, and each prompt
+        # took ceil(len / 7) prefill steps at least (the 64-token one: 10).
+        assert max(s.num_prefill_tokens + s.num_decode_tokens for s in llm.llm_engine.step_log) == 7
+        chunks = _prefill_chunks(llm)
+        assert all(chunks[str(i)] >= -(-len(p) // 7) for i, p in enumerate(prompts))
+        assert llm.llm_engine.scheduler.num_preemptions == 0
 
 
 def test_preemption_matches_transformers(hf_reference):
@@ -56,6 +77,9 @@ def test_preemption_matches_transformers(hf_reference):
     llm, got = _generate(path, prompts, block_size=4, num_kv_blocks=24, max_model_len=96)
     engine = llm.llm_engine
     assert engine.scheduler.num_preemptions > 0
+    preempted = {rid for step in engine.step_log for rid in step.preempted_ids}
+    # A preempted request was recomputed: one more prefill than its prompt needed.
+    assert preempted and all(_prefill_chunks(llm)[rid] >= 2 for rid in preempted)
     assert got == expected
     assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
 

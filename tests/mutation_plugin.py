@@ -1,0 +1,21 @@
+"""A pytest plugin for `make mutation` only: run the tests that need no model checkpoint.
+
+Mutation testing runs the tests once per mutant, hundreds of times; the tests that load a
+tiny checkpoint cost seconds each. The core's behaviour is pinned down by model-free tests
+(fake models, hand-built sequences), so the mutation run keeps only those. Enabled with
+``-p tests.mutation_plugin`` (pyproject.toml, ``[tool.mutmut]``).
+"""
+
+from __future__ import annotations
+
+MODEL_FIXTURES = {"tiny_model_path", "tiny_llama_path", "smollm2_path"}
+
+
+def pytest_collection_modifyitems(config, items):
+    keep, drop = [], []
+    for item in items:
+        needs_model = MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))
+        (drop if needs_model else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

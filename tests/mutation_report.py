@@ -1,0 +1,176 @@
+"""The mutation score of the last `make mutation` run, and the mutants the tests missed.
+
+    python tests/mutation_report.py [--diffs] [--equivalent]
+
+Reads mutmut's results (``mutants/**/*.py.meta``, written by ``mutmut run``), leaves out
+the *equivalent* mutants (edits that change no behaviour anyone can observe, so no test
+can kill them: those listed below, and edits of an assert's message text), and prints,
+per module, killed / (checked - equivalent), then every surviving mutant (``--diffs``:
+with its diff, from ``mutmut show``).
+
+Mutant names are ``module.function__mutmut_N``; the numbers shift when the function's
+source changes, so after editing a module re-check its equivalent mutants here (a stale
+entry only makes the score stricter: the mutant is then counted as a survivor again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+
+KILLED = {1, 3, 36, 24, -24, 152, 255, 37}  # a failing test, a timeout, a crash
+SURVIVED = {0}
+NOT_TESTED = {5, 33}  # no test reaches the function: a survivor too
+
+SAMPLER = "minivllm.sampler."
+# name -> why no test can tell the mutant from the original (checked by hand).
+EQUIVALENT: dict[str, str] = {
+    "minivllm.kv_cache_manager.x_hash_block_tokens__mutmut_8": (
+        'array("Q") for array("q"): token ids are never negative (add_request checks), and '
+        "a non-negative id has the same 8 bytes signed or unsigned"
+    ),
+    "minivllm.static_scheduler.x\u01c1StaticBatchScheduler\u01c1__init____mutmut_8": (
+        "num_decode_steps starts at None: _start_batch sets it to 0 before anything reads it"
+    ),
+    "minivllm.static_scheduler.x\u01c1StaticBatchScheduler\u01c1__init____mutmut_9": (
+        "num_decode_steps starts at 1: _start_batch sets it to 0 before anything reads it"
+    ),
+    "minivllm.block_allocator.x\u01c1BlockAllocator\u01c1free__mutmut_8": (
+        'free_block_ids[block_id] = "" for None: the free queue is an OrderedDict used as an '
+        "ordered set, its values are never read"
+    ),
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_14": (
+        "`temperature or 2.0`: the fallback only divides greedy rows (temperature 0), whose "
+        "sampled token is replaced by the argmax"
+    ),
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_18": (
+        "top-k applied when every top_k is 0: k = 0 means the whole vocabulary, keeps all"
+    ),
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_26": (
+        "top-p applied with p = 1: drops only tokens after a cumulative mass of 1.0, i.e. "
+        "below float32 resolution"
+    ),
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_27": (
+        "top-p applied with p = 1 (as `top_p <= 1`): keeps every representable token"
+    ),
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_38": (
+        "min-p applied with min_p = 0: masks probabilities below 0, none"
+    ),
+    SAMPLER + "x__apply_top_k__mutmut_13": (
+        "`0 < k <= vocab_size`: k = vocab_size keeps the whole vocabulary either way"
+    ),
+    SAMPLER + "x__apply_top_k__mutmut_38": 'float("-INF") is float("-inf")',
+    SAMPLER + "x__apply_top_p__mutmut_43": 'float("-INF") is float("-inf")',
+}
+ASSERT_MESSAGE = "the text of an assert's message (shown only when an invariant is broken)"
+LAST_AXIS = "the sampler's tensors are 2-D [num_seqs, vocab_size]: axis +1 is axis -1"
+DEVICE = "device placement: only observable on a GPU, not in a CPU run"
+STRING = re.compile(r"""[rbf]*("[^"]*"|'[^']*')""")
+
+
+def why_equivalent(name: str, diff: str) -> str | None:
+    """The reason a mutant changes nothing observable, or None: the hand-checked list
+    above, or one of three kinds recognised from the diff: an assert's message text, a
+    tensor created without its device (CPU either way here) and, in the sampler, axis +1
+    for -1."""
+    if name in EQUIVALENT:
+        return EQUIVALENT[name]
+    removed = " ".join(line[1:].strip() for line in diff.splitlines() if line.startswith("- "))
+    added = " ".join(line[1:].strip() for line in diff.splitlines() if line.startswith("+ "))
+    if removed.startswith("assert ") and STRING.sub('""', removed) == STRING.sub('""', added):
+        return ASSERT_MESSAGE
+    if name.startswith(SAMPLER) and _last_axis(removed) == _last_axis(added):
+        return LAST_AXIS
+    if _no_device(removed) == _no_device(added):
+        return DEVICE
+    return None
+
+
+def _last_axis(line: str) -> str:
+    return line.replace("+1", "-1").replace("dim=-1, ", "")
+
+
+def _no_device(line: str) -> str:
+    line = re.sub(r"device=[\w.]+", "", line)
+    return re.sub(r"[,\s]+\)", ")", line)
+
+
+def show(name: str, source_path: Path) -> str:
+    """The mutant's diff, as ``mutmut show`` prints it (mutmut's own function, in-process:
+    a process per mutant would take minutes)."""
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    return get_diff_for_mutant(name, path=source_path)
+
+
+def load_results(root: Path = Path("mutants")) -> dict[str, tuple[int | None, Path]]:
+    """Each mutant's exit code (None: not run yet) and the source file it mutates."""
+    results: dict[str, tuple[int | None, Path]] = {}
+    for meta in sorted(root.rglob("*.py.meta")):
+        source_path = meta.relative_to(root).with_suffix("")
+        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            results[name] = (code, source_path)
+    return results
+
+
+def module_of(mutant_name: str) -> str:
+    return mutant_name.split(".x\u01c1")[0].rsplit("__mutmut_", 1)[0].rsplit(".x_", 1)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--diffs", action="store_true", help="print each survivor's diff")
+    parser.add_argument("--equivalent", action="store_true", help="list the equivalent ones")
+    args = parser.parse_args()
+
+    results = load_results()
+    if not results:
+        raise SystemExit("no mutmut results under mutants/: run `make mutation` first")
+    counts: dict[str, Counter] = defaultdict(Counter)
+    survivors, equivalent = [], []
+    for name, (code, source_path) in sorted(results.items()):
+        module = module_of(name)
+        if code is None:
+            counts[module]["not checked"] += 1
+        elif code in KILLED:
+            counts[module]["killed"] += 1
+        elif reason := why_equivalent(name, show(name, source_path)):
+            counts[module]["equivalent"] += 1
+            equivalent.append((name, reason))
+        else:
+            counts[module]["survived"] += 1
+            survivors.append(name)
+
+    print(f"{'module':32} {'killed':>6} {'survived':>8} {'equivalent':>10} {'unchecked':>9} score")
+    total = Counter()
+    for module, c in sorted(counts.items()):
+        total += c
+        print(_row(module, c))
+    print(_row("all", total))
+    if args.equivalent:
+        print(f"\n{len(equivalent)} equivalent mutants, not counted:")
+        for name, reason in equivalent:
+            print(f"  {name}: {reason}")
+    if survivors:
+        print(f"\n{len(survivors)} surviving mutants (`mutmut show NAME` for the diff):")
+    for name in survivors:
+        print(" ", name)
+        if args.diffs:
+            diff = show(name, results[name][1])
+            print("    " + diff.strip().replace("\n", "\n    "))
+
+
+def _row(module: str, c: Counter) -> str:
+    checked = c["killed"] + c["survived"]
+    score = f"{c['killed'] / checked:.1%}" if checked else "-"
+    return (
+        f"{module:32} {c['killed']:6d} {c['survived']:8d} {c['equivalent']:10d} "
+        f"{c['not checked']:9d} {score}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The runner's flat batch, exact values: token ids, positions, paged slots, metadata.
+
+No model: `ModelRunner.prepare_inputs` only needs the block size, the device and the
+scheduler's decision. The slot of token ``pos`` is
+``block_table[pos // block_size] * block_size + pos % block_size``; these cases put chunks
+right before, on and after block boundaries, with block tables that are not in order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.model_runner import ModelRunner
+from minivllm.sampling_params import SamplingParams
+from minivllm.scheduler_output import ScheduledChunk, SchedulerOutput
+from minivllm.sequence import Sequence
+from minivllm.static_scheduler import PAD_TOKEN_ID
+
+
+def padding_chunk(seq, start_position, num_tokens):
+    """Static batching's padding rows in ``seq``'s region: computed, never sampled."""
+    tokens = [PAD_TOKEN_ID] * num_tokens
+    return ScheduledChunk(seq.request_id, tokens, start_position, seq.block_table, sample=False)
+
+
+def make_runner(block_size: int) -> ModelRunner:
+    runner = ModelRunner.__new__(ModelRunner)  # no model, no cache: inputs only
+    runner.block_size = block_size
+    runner.device = torch.device("cpu")
+    return runner
+
+
+def running_seq(request_id, token_ids, num_computed, block_table):
+    seq = Sequence(request_id, token_ids, SamplingParams(temperature=0))
+    seq.num_computed_tokens = num_computed
+    seq.block_table = block_table
+    return seq
+
+
+def prepare(runner, chunks, padding=()):
+    out = SchedulerOutput()
+    for seq, num_new in chunks:
+        out.add(seq, num_new)
+    out.chunks.extend(padding)
+    input_ids, positions, metadata = runner.prepare_inputs(out)
+    return input_ids.tolist(), positions.tolist(), metadata
+
+
+def test_a_chunk_that_crosses_a_block_boundary():
+    runner = make_runner(block_size=4)
+    seq = running_seq("a", list(range(100, 110)), num_computed=3, block_table=[5, 2, 7])
+    input_ids, positions, metadata = prepare(runner, [(seq, 6)])  # positions 3 .. 8
+    assert input_ids == [103, 104, 105, 106, 107, 108]
+    assert positions == [3, 4, 5, 6, 7, 8]
+    assert metadata.slot_mapping.tolist() == [5 * 4 + 3, 8, 9, 10, 11, 7 * 4 + 0]
+    assert metadata.cu_seqlens_q.tolist() == [0, 6]
+    assert metadata.context_lens.tolist() == [9]
+    assert metadata.block_tables.tolist() == [[5, 2, 7]]
+    assert (metadata.max_query_len, metadata.max_context_len) == (6, 9)
+
+
+@pytest.mark.parametrize("position, expected_slot", [(3, 15), (4, 0), (7, 3), (8, 24)])
+def test_a_decode_at_every_side_of_a_boundary(position, expected_slot):
+    """Block table [3, 0, 6] with block_size 4: the last slot of a block, the first of
+    the next, the last of that one, the first of the third."""
+    runner = make_runner(block_size=4)
+    tokens = list(range(1, position + 2))
+    table = [3, 0, 6][: position // 4 + 1]
+    seq = running_seq("a", tokens, num_computed=position, block_table=table)
+    input_ids, positions, metadata = prepare(runner, [(seq, 1)])
+    assert (input_ids, positions) == ([tokens[position]], [position])
+    assert metadata.slot_mapping.tolist() == [expected_slot]
+    assert metadata.context_lens.tolist() == [position + 1]
+
+
+def test_a_mixed_batch_is_flattened_back_to_back():
+    """A decode, a first prefill chunk and a last prefill chunk in one step: each token
+    keeps its own sequence's position and block table (padded with block 0)."""
+    runner = make_runner(block_size=2)
+    decode = running_seq("d", [1, 2, 3, 4, 5], num_computed=4, block_table=[9, 4, 1])
+    first = running_seq("f", [6, 7, 8, 9, 10], num_computed=0, block_table=[])
+    first.block_table = [3, 8]  # what allocate_slots gave for a 3-token chunk
+    last = running_seq("l", [11, 12, 13], num_computed=2, block_table=[5, 6])
+    input_ids, positions, metadata = prepare(runner, [(decode, 1), (first, 3), (last, 1)])
+    assert input_ids == [5, 6, 7, 8, 13]
+    assert positions == [4, 0, 1, 2, 2]
+    assert metadata.slot_mapping.tolist() == [1 * 2 + 0, 6, 7, 16, 12]
+    assert metadata.cu_seqlens_q.tolist() == [0, 1, 4, 5]
+    assert metadata.context_lens.tolist() == [5, 3, 3]
+    assert metadata.block_tables.tolist() == [[9, 4, 1], [3, 8, 0], [5, 6, 0]]
+    assert (metadata.max_query_len, metadata.max_context_len) == (3, 5)
+    assert metadata.cu_seqlens_q.dtype == metadata.context_lens.dtype == torch.int32
+
+
+def test_padding_rows_follow_the_real_rows_in_their_members_region():
+    """Static batching: padding rows feed PAD_TOKEN_ID at the given positions, in the
+    padded member's own blocks, after every real row."""
+    runner = make_runner(block_size=4)
+    short = running_seq("s", [1, 2], num_computed=0, block_table=[2, 3])
+    long = running_seq("l", [4, 5, 6, 7, 8], num_computed=0, block_table=[0, 1])
+    padding = [padding_chunk(short, start_position=2, num_tokens=3)]
+    input_ids, positions, metadata = prepare(runner, [(short, 2), (long, 5)], padding)
+    assert input_ids == [1, 2, 4, 5, 6, 7, 8] + [PAD_TOKEN_ID] * 3
+    assert positions == [0, 1, 0, 1, 2, 3, 4, 2, 3, 4]
+    assert metadata.slot_mapping.tolist() == [8, 9, 0, 1, 2, 3, 4, 10, 11, 12]
+    assert metadata.cu_seqlens_q.tolist() == [0, 2, 7, 10]
+    assert metadata.context_lens.tolist() == [2, 5, 5]
+    assert metadata.block_tables.tolist() == [[2, 3], [0, 1], [2, 3]]
+
+
+# --- which rows are sampled: a fake model whose logits name the row's input token -------------
+
+
+class EchoModel:
+    """hidden state = the input token id; logits favour (that id + 1): so the greedy token
+    sampled for a sequence tells which row it was sampled from."""
+
+    vocab_size = 512
+
+    def __call__(self, input_ids, positions, kv_caches, metadata):
+        return input_ids.float()[:, None]
+
+    def compute_logits(self, hidden):
+        ids = hidden[:, 0].long() + 1
+        return torch.nn.functional.one_hot(ids, self.vocab_size).float()
+
+
+def make_echo_runner(block_size: int) -> ModelRunner:
+    from minivllm.sampler import Sampler
+
+    runner = make_runner(block_size)
+    runner.model, runner.kv_caches, runner.sampler = EchoModel(), None, Sampler()
+    return runner
+
+
+def sampled(runner: ModelRunner, out: SchedulerOutput) -> dict[str, int]:
+    """The one token each sampling request got this step."""
+    result = runner.execute_model(out).sampled_token_ids
+    assert all(len(tokens) == 1 for tokens in result.values())
+    return {request_id: tokens[0] for request_id, tokens in result.items()}
+
+
+def test_only_chunks_that_reach_the_end_sample_from_their_last_row():
+    runner = make_echo_runner(block_size=4)
+    finishing = running_seq("f", [10, 11, 12, 13, 14], num_computed=2, block_table=[0, 1])
+    midway = running_seq("m", [20, 21, 22, 23, 24], num_computed=0, block_table=[2])
+    decode = running_seq("d", [30, 31, 32], num_computed=2, block_table=[3])
+    out = SchedulerOutput()
+    for seq, num_new in [(finishing, 3), (midway, 2), (decode, 1)]:
+        out.add(seq, num_new)
+    # midway is mid-prompt: nothing to sample
+    assert sampled(runner, out) == {"f": 15, "d": 33}
+
+
+def test_padding_rows_are_never_sampled():
+    runner = make_echo_runner(block_size=4)
+    short = running_seq("s", [40], num_computed=0, block_table=[0])
+    long = running_seq("l", [50, 51, 52], num_computed=0, block_table=[1])
+    out = SchedulerOutput()
+    out.add(short, 1)
+    out.add(long, 3)
+    out.chunks.append(padding_chunk(short, start_position=1, num_tokens=2))
+    assert sampled(runner, out) == {"s": 41, "l": 53}
+
+
+def test_a_step_where_nobody_samples_returns_nothing():
+    runner = make_echo_runner(block_size=4)
+    seq = running_seq("m", list(range(1, 9)), num_computed=0, block_table=[0, 1])
+    out = SchedulerOutput()
+    out.add(seq, 4)
+    assert sampled(runner, out) == {}
+
+
+def test_the_kv_cache_is_allocated_once_for_every_layer_keys_and_values():
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(config=SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=8))
+    runner = ModelRunner(model, num_kv_blocks=5, block_size=4, dtype=torch.float16,
+                         device=torch.device("cpu"))  # fmt: skip
+    assert runner.kv_caches.shape == (3, 2, 5, 4, 2, 8)  # [layer][k/v][block][slot][head][dim]
+    assert runner.kv_caches.dtype == torch.float16
+    assert runner.kv_caches.device == torch.device("cpu")
+    assert (runner.block_size, runner.device, runner.model) == (4, torch.device("cpu"), model)
+    from minivllm.sampler import Sampler
+
+    assert isinstance(runner.sampler, Sampler)
