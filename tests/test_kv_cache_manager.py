@@ -18,7 +18,7 @@ def compute(manager, seq, num_tokens, computed_blocks=None):
     """One scheduler step + model step for ``seq`` (see test_prefix_caching.compute)."""
     assert manager.allocate_slots(seq, num_tokens, computed_blocks)
     seq.num_computed_tokens += len(computed_blocks or []) * manager.block_size + num_tokens
-    manager.cache_full_blocks(seq, num_tokens)
+    manager.cache_full_blocks(seq)
 
 
 def test_cdiv_rounds_up():
