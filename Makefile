@@ -31,10 +31,10 @@ $(MODEL_STAMP): $(INSTALLED)
 	touch $@
 
 # Two prompts answered through the chat template, then static vs continuous batching on
-# one seeded workload, twice: (1) the same batch cap and plenty of KV memory (the padding
-# and waiting effect), (2) the same batch cap and the same small KV memory, where static
-# batching reserves max_model_len slots per request and paging admits requests by their
-# real length (the paging effect). Each prints a short table and what it shows; JSON and
+# one seeded workload, twice: (1) the same batch cap (4) and plenty of KV memory: the
+# padding and waiting effect; (2) the same 96 MiB of KV memory, where static batching
+# reserves max_model_len = 512 slots per request (4 fit) and paging admits requests by
+# their real length, up to max_num_seqs = 32: the paging effect. Each prints a short table and what it shows; JSON and
 # the timeline / batch / latency plots go to DEMO_OUT. `make demo-hf` adds transformers'
 # generate and generate_batch as reference rows (several minutes more).
 # One torch thread by default: on a CPU shared with other busy processes, two threads wait
@@ -42,24 +42,24 @@ $(MODEL_STAMP): $(INSTALLED)
 DEMO_OUT ?= /tmp/minivllm-demo
 DEMO_THREADS ?= 1
 DEMO_WORKLOAD := --num-prompts 24 --prompt-len lognormal:48:0.8:16:384 \
-	--output-len lognormal:24:0.6:8:64 --max-model-len 512 --max-num-seqs 32 \
+	--output-len lognormal:24:0.6:8:64 --max-model-len 512 \
 	--attention-backend numba-cpu --threads $(DEMO_THREADS) --brief
 demo: $(MODEL_STAMP)
 	@echo "make demo: about 3 minutes on an idle 2-core CPU (longer while other programs run)"
 	@echo "== Two questions, answered with the model's chat template"
 	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/minivllm generate --max-tokens 48 \
 		"What is continuous batching?" "Write a haiku about the sea."
-	@echo "== (1) Same batch cap (32), plenty of KV memory (1 GiB): padding and waiting"
-	$(VENV)/bin/minivllm bench $(DEMO_WORKLOAD) --kv-cache-memory 1GiB \
+	@echo "== (1) Same batch cap (4 requests), plenty of KV memory: padding and waiting"
+	$(VENV)/bin/minivllm bench $(DEMO_WORKLOAD) --max-num-seqs 4 --kv-cache-memory 1GiB \
 		--json $(DEMO_OUT)/same-batch-cap.json --plot $(DEMO_OUT)/same-batch-cap
-	@echo "== (2) Same KV memory (96 MiB): static reserves 512 slots per request, paging what is used"
-	$(VENV)/bin/minivllm bench $(DEMO_WORKLOAD) --kv-cache-memory 96MiB \
+	@echo "== (2) Same KV memory (96 MiB): static reserves 512 slots a request, paging what is used"
+	$(VENV)/bin/minivllm bench $(DEMO_WORKLOAD) --max-num-seqs 32 --kv-cache-memory 96MiB \
 		--json $(DEMO_OUT)/same-kv-memory.json --plot $(DEMO_OUT)/same-kv-memory
 
 # The transformers reference rows: padded `generate` and its continuous `generate_batch`
 # on the same requests, beside minivllm's two policies (about 5 more minutes).
 demo-hf: $(MODEL_STAMP)
-	$(VENV)/bin/minivllm bench $(DEMO_WORKLOAD) --kv-cache-memory 1GiB --compare-hf \
+	$(VENV)/bin/minivllm bench $(DEMO_WORKLOAD) --max-num-seqs 4 --kv-cache-memory 1GiB --compare-hf \
 		--json $(DEMO_OUT)/hf.json --plot $(DEMO_OUT)/hf
 
 # Everything that proves the issues: unit + property tests, real-model parity.
