@@ -39,7 +39,12 @@ ARROWS = [
     ("seq", "sched", "", False),
     ("sched", "kvm", "allocate_slots / free", True),
     ("kvm", "alloc", "", True),
-    ("sched", "executor", "SchedulerOutput: chunks of token ids,\nstart position, block table", False),
+    (
+        "sched",
+        "executor",
+        "SchedulerOutput: chunks of token ids,\nstart position, block table",
+        False,
+    ),
     ("executor", "runner", "", False),
     ("runner", "model", "", False),
     ("model", "write", "k, v per layer", False),
