@@ -54,7 +54,7 @@ def trace(engine: LLMEngine, num_steps: int) -> list[StepRow]:
         for rid, prompt_len, output_len, arrives in REQUESTS:
             if arrives == step:
                 params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-                prompt = {"prompt_token_ids": [1000 + i for i in range(prompt_len)]}
+                prompt = {"prompt_token_ids": [100 + i % 100 for i in range(prompt_len)]}
                 engine.add_request(rid, prompt, params)
         if not engine.has_unfinished_requests():
             break

@@ -1,8 +1,8 @@
 """The token budget's trade-off: first tokens sooner or smoother decoding, measured.
 
     python benchmarks/token_budget.py [--budgets 64,128,256,512,1024,2048]
-        [--num-prompts 12] [--prompt-len uniform:128:512] [--output-len 24]
-        [--max-num-seqs 4] [--threads 1] [--plot token_budget.png] [--json PATH]
+        [--num-prompts 10] [--prompt-len uniform:128:1024] [--output-len 32]
+        [--max-num-seqs 4] [--threads 1] [--plot-file token_budget.png] [--json PATH]
 
 One seeded, mixed workload runs under the continuous policy once per
 ``max_num_batched_tokens`` (the token budget of one step). All requests arrive at t=0 but
@@ -41,6 +41,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
         config = EngineConfig.from_cli_args(
             args,
             max_num_batched_tokens=budget,
+            scheduling_policy="continuous",
             max_model_len=args.max_model_len or workload.max_request_len,
         )
         s = run_engine(config, workload, progress=not args.no_progress).summary
@@ -108,10 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated max_num_batched_tokens values",
     )
     add_bench_arguments(parser)
-    EngineConfig.add_cli_args(parser, exclude=("max_num_batched_tokens",))
+    # The policy is always continuous (the static one has no token budget).
+    EngineConfig.add_cli_args(parser, exclude=("max_num_batched_tokens", "scheduling_policy"))
     parser.add_argument("--plot-file", default="token_budget.png", help="the figure's path")
     parser.set_defaults(
-        num_prompts=12, prompt_len="uniform:128:512", output_len="24", max_num_seqs=4, threads=1
+        num_prompts=10, prompt_len="uniform:128:1024", output_len="32", max_num_seqs=4, threads=1
     )
     return parser
 
