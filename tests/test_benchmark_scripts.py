@@ -60,7 +60,7 @@ def test_token_budget_sweep_writes_rows_and_figure(tiny_llama_path, tmp_path, ca
     rows = json.loads(json_path.read_text())
     assert [r["max_num_batched_tokens"] for r in rows] == [8, 64]
     for row in rows:
-        for name in ("ttft", "tpot", "itl"):
+        for name in ("ttft", "prefill", "tpot", "itl"):
             assert 0 < row[name]["p50"] <= row[name]["p99"]
     assert png.stat().st_size > 10_000
     assert "ITL P99" in capsys.readouterr().out
