@@ -1,4 +1,5 @@
-"""The ``minivllm`` command: ``minivllm generate ...`` (and ``minivllm bench ...``)."""
+"""The ``minivllm`` command: ``minivllm generate ...`` (and ``minivllm bench ...``,
+``minivllm simulate ...``)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     EngineConfig.add_cli_args(bench, exclude=("scheduling_policy",))  # --policy: a list
     bench.set_defaults(func=run_bench)
+
+    from minivllm.simulator.command import add_simulate_arguments, run_simulate
+
+    sim = sub.add_parser(
+        "simulate", help="the real schedulers on simulated hardware (a roofline cost model)"
+    )
+    add_simulate_arguments(sim)
+    sim.set_defaults(func=run_simulate)
     return parser
 
 

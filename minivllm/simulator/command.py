@@ -1,0 +1,257 @@
+"""``minivllm simulate``: bench's comparison on simulated hardware, capacity search, and
+the calibration of the cost model against this CPU."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+from dataclasses import asdict, replace
+
+from minivllm.simulator.cluster import ROUTERS
+from minivllm.simulator.hardware import HARDWARE_CHOICES
+from minivllm.simulator.models import MODELS
+from minivllm.simulator.workloads import CHAT_LENGTHS
+
+NOT_SIMULATED = (
+    "model",
+    "scheduling_policy",
+    "kv_cache_memory_bytes",
+    "attention_backend",
+    "dtype",
+    "device",
+    "seed",
+)
+TIMELINE_REQUESTS = 60  # the timeline plot draws the first requests only: one row each
+
+
+def add_simulate_arguments(sim: argparse.ArgumentParser) -> None:
+    d = sim.add_argument_group("deployment")
+    d.add_argument("--hardware", default="h200", choices=HARDWARE_CHOICES)
+    d.add_argument("--model", default="llama-3.1-8b", choices=list(MODELS))
+    d.add_argument("--tensor-parallel-size", type=int, default=1)
+    d.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    d.add_argument("--num-replicas", type=int, default=1)
+    d.add_argument("--router", default="round-robin", choices=ROUTERS)
+    w = sim.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=1000)
+    w.add_argument("--request-rate", type=float, default=math.inf, help="Poisson, requests/s")
+    w.add_argument(
+        "--lengths", default="sharegpt", choices=list(CHAT_LENGTHS), help="length preset"
+    )
+    w.add_argument("--prompt-len", default=None, help="override: N, uniform:LO:HI, lognormal:...")
+    w.add_argument("--output-len", default=None, help="override, like --prompt-len")
+    w.add_argument("--workload-seed", type=int, default=0)
+    m = sim.add_argument_group("modes")
+    m.add_argument(
+        "--search-p99-ttft",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="find the fewest replicas whose P99 TTFT at --request-rate is within this",
+    )
+    m.add_argument("--max-replicas", type=int, default=64, help="for --search-p99-ttft")
+    m.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="run the real engine on SmolLM2 here and the simulator with this-cpu; compare",
+    )
+    sim.add_argument("--policy", default="static,continuous", help="comma-separated policies")
+    # The engine's own flags, generated from EngineConfig, minus what a simulation has no
+    # use for (--model here names a preset, not a checkpoint). Defaults: a GPU server's.
+    from minivllm.config import EngineConfig
+
+    EngineConfig.add_cli_args(sim, exclude=NOT_SIMULATED)
+    sim.set_defaults(max_num_seqs=256, max_num_batched_tokens=8192)
+    o = sim.add_argument_group("output")
+    o.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
+    o.add_argument("--plot", default=None, metavar="DIR", help="write timeline/batch/CDF PNGs")
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return _calibrate(args)
+    from minivllm.bench import report
+    from minivllm.simulator.cluster import search_replicas, simulate
+
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    workload = _workload(args)
+    max_model_len = args.max_model_len or workload.max_request_len
+    configs = [_engine_config(args, policy, max_model_len) for policy in policies]
+    deployment = _deployment(args)
+    print(workload.describe(), file=sys.stderr)
+
+    if args.search_p99_ttft is not None:
+        return _search(args, configs, deployment, workload, search_replicas)
+
+    runs = [simulate(config, deployment, workload) for config in configs]
+    context = _context(args, configs[0], deployment, workload, runs[0].num_kv_blocks)
+    print()
+    print(context["title"])
+    print(report.format_table(runs))
+    if args.json:
+        report.write_json(args.json, runs, context)
+        print(f"\nJSON: {args.json}")
+    if args.plot:
+        paths = write_plots(runs, args.plot)
+        print("plots: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _search(args, configs, deployment, workload, search_replicas) -> int:
+    if not math.isfinite(args.request_rate):
+        raise ValueError("--search-p99-ttft needs a finite --request-rate")
+    target = args.search_p99_ttft
+    print(
+        f"\nreplicas of {deployment.tensor_parallel_size} x {deployment.hardware.name} "
+        f"({deployment.model.name}, {deployment.router}) for {args.request_rate:g} req/s "
+        f"at P99 TTFT <= {target:g} s"
+    )
+    for config in configs:
+        found = search_replicas(config, deployment, workload, target, args.max_replicas)
+        tried = ", ".join(f"{n}: {p99:.2f} s" for n, p99 in found.tried.items())
+        answer = (
+            f"{found.num_replicas} replicas ({found.num_replicas * deployment.tensor_parallel_size}"
+            " devices)"
+            if found.num_replicas
+            else f"more than {args.max_replicas} replicas"
+        )
+        print(f"  {config.scheduling_policy:<11} {answer}; P99 TTFT by replicas: {tried}")
+    return 0
+
+
+def _calibrate(args) -> int:
+    from minivllm.simulator.calibrate import calibrate, format_report
+
+    policies = tuple(p.strip() for p in args.policy.split(",") if p.strip())
+    print("running the real engine on SmolLM2, then the simulator (under a minute, idle)...")
+    hardware, results = calibrate(policies)
+    print(format_report(hardware, results))
+    return 0
+
+
+def _workload(args):
+    from minivllm.bench.workloads import LengthDistribution
+    from minivllm.simulator.workloads import chat_workload
+
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    prompt_len = LengthDistribution.parse(args.prompt_len) if args.prompt_len else None
+    output_len = LengthDistribution.parse(args.output_len) if args.output_len else None
+    return chat_workload(
+        args.num_prompts,
+        args.lengths,
+        args.request_rate,
+        args.workload_seed,
+        prompt_len,
+        output_len,
+    )
+
+
+def _deployment(args):
+    from minivllm.simulator.cluster import Deployment
+    from minivllm.simulator.hardware import get_hardware
+    from minivllm.simulator.models import get_model
+
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    return Deployment(
+        get_model(args.model),
+        get_hardware(args.hardware),
+        args.tensor_parallel_size,
+        args.gpu_memory_utilization,
+        args.num_replicas,
+        args.router,
+    )
+
+
+def _engine_config(args, policy: str, max_model_len: int):
+    """The engine's settings from the flags; no checkpoint (the executor is simulated)."""
+    from minivllm.config import EngineConfig
+
+    return EngineConfig.from_cli_args(
+        args, model=None, scheduling_policy=policy, max_model_len=max_model_len
+    )
+
+
+def _context(args, config, deployment, workload, num_kv_blocks: int) -> dict:
+    mode = (
+        "offline (all requests at t=0)"
+        if not math.isfinite(args.request_rate)
+        else f"online, Poisson {args.request_rate:g} req/s"
+    )
+    blocks_per_region = -(-config.max_model_len // config.block_size)
+    title = (
+        f"simulated: {deployment.model.name} on {deployment.num_replicas} x "
+        f"{deployment.tensor_parallel_size} x {deployment.hardware.name} ({deployment.router}) | "
+        f"max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
+        f"{config.max_num_batched_tokens}, max_model_len {config.max_model_len}, "
+        f"{num_kv_blocks} KV blocks x {config.block_size} per replica (static: "
+        f"{num_kv_blocks // blocks_per_region} max_model_len regions)\n"
+        f"{workload.describe()} | {mode} | times are simulated seconds"
+    )
+    return {
+        "title": title,
+        "command": "minivllm " + shlex.join(sys.argv[1:]) if sys.argv else None,
+        "simulated": True,
+        "deployment": {
+            "model": asdict(deployment.model),
+            "hardware": asdict(deployment.hardware),
+            "tensor_parallel_size": deployment.tensor_parallel_size,
+            "gpu_memory_utilization": deployment.gpu_memory_utilization,
+            "num_replicas": deployment.num_replicas,
+            "router": deployment.router,
+        },
+        "engine_config": asdict(config) | {"num_kv_blocks": num_kv_blocks},
+        "workload": {
+            "description": workload.describe(),
+            "num_requests": len(workload.requests),
+            "num_prompt_tokens": workload.num_prompt_tokens,
+            "num_output_tokens": workload.num_output_tokens,
+            "mode": mode,
+            "request_rate": args.request_rate if math.isfinite(args.request_rate) else None,
+        },
+    }
+
+
+def write_plots(runs, out_dir) -> list:
+    """bench's pictures; the timeline only for the first requests (one row each)."""
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from minivllm.bench import plots
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    first = [_first_requests(run, TIMELINE_REQUESTS) for run in runs]
+    return [
+        plots.plot_timeline(first, out_dir / "timeline.png"),
+        plots.plot_batch_and_kv(runs, out_dir / "batch_kv.png"),
+        plots.plot_latency_cdfs(runs, out_dir / "latency_cdf.png"),
+    ]
+
+
+def _first_requests(run, n: int):
+    """The run restricted to its first ``n`` requests (by id), for the timeline."""
+    keep = {str(i) for i in range(n)}
+    requests = [r for r in run.requests if r.request_id in keep]
+    last = max(r.metrics.finished_time for r in requests)
+
+    def only(ids):
+        return [rid for rid in ids if rid in keep]
+
+    steps = [
+        replace(
+            s,
+            prefill_ids=only(s.prefill_ids),
+            decode_ids=only(s.decode_ids),
+            padding_ids=only(s.padding_ids),
+            preempted_ids=only(s.preempted_ids),
+        )
+        for s in run.steps
+        if s.start_time <= last
+    ]
+    return replace(run, requests=requests, steps=steps)

@@ -1,0 +1,82 @@
+"""`SimulatedExecutor`: the engine's executor seam, with a cost model instead of a model.
+
+The engine, its scheduler (continuous or static), the KV-cache manager and the prefix
+cache run unchanged; they cannot tell the difference. Each `execute_model` call turns
+the scheduled chunks into `ChunkShape`s, asks the cost model how long that step would
+take on the simulated hardware, moves the simulated clock forward by that much, and
+"samples" a placeholder token for every chunk that samples. Requests end at their
+``max_tokens`` (the workload's output length, with ``ignore_eos``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.config import EngineConfig
+from minivllm.executor import resolve_max_model_len
+from minivllm.outputs import ModelRunnerOutput
+from minivllm.scheduler_output import SchedulerOutput
+from minivllm.simulator.clock import SimClock
+from minivllm.simulator.cost_model import ChunkShape, StepCost, step_cost
+from minivllm.simulator.hardware import Hardware
+from minivllm.simulator.memory import KVPoolSizing, size_kv_pool
+from minivllm.simulator.models import ModelShape
+
+PLACEHOLDER_TOKEN = 0
+
+
+class SimulatedExecutor:
+    """Sizes the KV pool like vLLM would on ``hardware`` and times every step."""
+
+    def __init__(
+        self,
+        model: ModelShape,
+        hardware: Hardware,
+        config: EngineConfig,
+        clock: SimClock,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+    ) -> None:
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        self.model = model
+        self.hardware = hardware
+        self.clock = clock
+        self.tensor_parallel_size = tensor_parallel_size
+        self.model_config = model.to_model_config()
+        self.eos_token_ids: frozenset[int] = frozenset()  # never reached: ignore_eos
+        self.device = torch.device("cpu")  # where per-request generators would live
+        self.kv_pool: KVPoolSizing = size_kv_pool(
+            model,
+            hardware,
+            gpu_memory_utilization,
+            config.block_size,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            tensor_parallel_size,
+        )
+        self.num_kv_blocks = config.num_kv_blocks or self.kv_pool.num_blocks
+        if self.num_kv_blocks < 1:
+            raise ValueError(
+                f"{model.name} does not fit on {tensor_parallel_size} x {hardware.name} at "
+                f"gpu_memory_utilization={gpu_memory_utilization}: weights "
+                f"{self.kv_pool.weights / 2**30:.1f} GiB + activations "
+                f"{self.kv_pool.activations / 2**30:.1f} GiB per device leave no room for KV "
+                "blocks; try a larger --tensor-parallel-size"
+            )
+        self.max_model_len = resolve_max_model_len(config, self.model_config, self.num_kv_blocks)
+        self.step_costs: list[StepCost] | None = None  # set to [] to record every step
+
+    def get_tokenizer(self) -> None:
+        return None  # prompts are token ids; outputs are placeholders
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        chunks = [
+            ChunkShape(len(c.token_ids), c.context_len, c.sample) for c in scheduler_output.chunks
+        ]
+        cost = step_cost(self.model, self.hardware, chunks, self.tensor_parallel_size)
+        self.clock.advance(cost.seconds)
+        if self.step_costs is not None:
+            self.step_costs.append(cost)
+        sampled = {c.request_id: [PLACEHOLDER_TOKEN] for c in scheduler_output.chunks if c.sample}
+        return ModelRunnerOutput(sampled_token_ids=sampled)
