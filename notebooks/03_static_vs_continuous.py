@@ -185,13 +185,12 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# With the smallest pool, the static policy runs 4 requests at a time while the paged
-# cache fits every request whose real length allows; the gap in throughput and tail
-# latency is widest there. As the pool grows, the static batch grows too, and with 16
-# regions both policies run all 16 requests at once: what is left is the padding and
-# waiting effect of the first table. On this CPU a decode step of many sequences costs
-# much less than that many steps of few, so a bigger batch is more tokens per second;
-# paging is what lets continuous batching have the bigger batch in the same memory.
+# With 4 regions, the static policy can run at most 4 requests at a time, however short
+# they are; the paged cache admits as many as their real lengths fit (the labels say how
+# many it reached). As the pool grows, the static batch grows with it; with 16 regions it
+# runs all 16 requests as one batch, and what is left between the policies is the padding
+# and waiting effect of the first table. Where the gap is widest, and by how much, is in
+# the printout above: it was measured when this page was built.
 
 # %% [markdown]
 # **What to remember**
