@@ -10,8 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 INSTALLED := $(VENV)/.installed
 MODEL_STAMP := $(VENV)/.model
 
-.PHONY: install model demo test test-fast lint bench clean gpu-check notebooks docs docs-build \
-	mutation
+.PHONY: install model demo demo-hf test test-fast lint bench clean gpu-check notebooks docs \
+	docs-build mutation
 
 install: $(INSTALLED)
 
@@ -31,20 +31,38 @@ $(MODEL_STAMP): $(INSTALLED)
 	$(PY) -m minivllm.models.model_files
 	touch $@
 
-# A few prompts, then static vs continuous batching measured on one seeded workload (with
-# transformers' generate and generate_batch as reference rows): the table prints here, in
-# ~5 minutes on a 2-core CPU; JSON and the timeline / batch / latency plots go to DEMO_OUT.
+# Two prompts answered through the chat template, then static vs continuous batching on
+# one seeded workload, twice: (1) the same batch cap (4) and plenty of KV memory: the
+# padding and waiting effect; (2) the same 96 MiB of KV memory, where static batching
+# reserves max_model_len = 512 slots per request (4 fit) and paging admits requests by
+# their real length, up to max_num_seqs = 32: the paging effect. Each prints a short table and what it shows; JSON and
+# the timeline / batch / latency plots go to DEMO_OUT. `make demo-hf` adds transformers'
+# generate and generate_batch as reference rows (several minutes more).
 # One torch thread by default: on a CPU shared with other busy processes, two threads wait
 # on each other at every small op (several times slower); DEMO_THREADS=2 on an idle machine.
 DEMO_OUT ?= /tmp/minivllm-demo
 DEMO_THREADS ?= 1
+DEMO_WORKLOAD := --num-prompts 24 --prompt-len lognormal:48:0.8:16:384 \
+	--output-len lognormal:24:0.6:8:64 --max-model-len 512 \
+	--attention-backend numba-cpu --threads $(DEMO_THREADS) --brief
 demo: $(MODEL_STAMP)
-	$(VENV)/bin/minivllm generate --max-tokens 48 \
-		"What is continuous batching?" "Write a haiku about paging." "Name three prime numbers."
-	$(VENV)/bin/minivllm bench --policy static,continuous --compare-hf \
-		--num-prompts 32 --prompt-len uniform:16:400 --output-len uniform:8:128 \
-		--max-num-seqs 16 --attention-backend numba-cpu --threads $(DEMO_THREADS) \
-		--json $(DEMO_OUT)/bench.json --plot $(DEMO_OUT)
+	@echo "make demo: four benchmark runs after two questions; 6.5 min measured on 2 cores shared"
+	@echo "with other busy processes (2 min of CPU time): less on an idle machine. Progress below."
+	@echo "== Two questions, answered with the model's chat template"
+	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/minivllm generate --max-tokens 48 \
+		"What is continuous batching?" "Write a haiku about the sea."
+	@echo "== (1) Same batch cap (4 requests), plenty of KV memory: padding and waiting"
+	$(VENV)/bin/minivllm bench $(DEMO_WORKLOAD) --max-num-seqs 4 --kv-cache-memory 1GiB \
+		--json $(DEMO_OUT)/same-batch-cap.json --plot $(DEMO_OUT)/same-batch-cap
+	@echo "== (2) Same KV memory (96 MiB): static reserves 512 slots a request, paging what is used"
+	$(VENV)/bin/minivllm bench $(DEMO_WORKLOAD) --max-num-seqs 32 --kv-cache-memory 96MiB \
+		--json $(DEMO_OUT)/same-kv-memory.json --plot $(DEMO_OUT)/same-kv-memory
+
+# The transformers reference rows: padded `generate` and its continuous `generate_batch`
+# on the same requests, beside minivllm's two policies (about 5 more minutes).
+demo-hf: $(MODEL_STAMP)
+	$(VENV)/bin/minivllm bench $(DEMO_WORKLOAD) --max-num-seqs 4 --kv-cache-memory 1GiB --compare-hf \
+		--json $(DEMO_OUT)/hf.json --plot $(DEMO_OUT)/hf
 
 # Everything that proves the issues: unit + property tests, real-model parity.
 test: $(MODEL_STAMP)

@@ -1,4 +1,4 @@
-"""Issue 2's throughput benchmark: minivllm against transformers on SmolLM2.
+"""minivllm against transformers on SmolLM2: output throughput and latencies.
 
     python benchmarks/throughput.py [any `minivllm bench` option, e.g. --threads 1]
 

@@ -26,9 +26,14 @@ def _generate(args: argparse.Namespace) -> int:
         output_kind=RequestOutputKind.DELTA,
     )
     engine = LLMEngine(EngineConfig.from_cli_args(args))
+    tokenizer = engine.get_tokenizer()
+    # An instruct model answers a question only inside its chat template; without it,
+    # SmolLM2 continues the text ("The answer is:") and stops.
+    has_template = tokenizer is not None and tokenizer.chat_template is not None
+    use_chat = has_template if args.chat is None else args.chat
     for i, prompt in enumerate(args.prompts):
-        if args.chat:
-            prompt = chat_prompt(engine.get_tokenizer(), [{"role": "user", "content": prompt}])
+        if use_chat:
+            prompt = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
         engine.add_request(str(i), prompt, params)
 
     # All prompts run together as one continuous batch; text streams in as it is made.
@@ -40,12 +45,19 @@ def _generate(args: argparse.Namespace) -> int:
             if stream:
                 print(out.outputs[0].text, end="", flush=True)
             if out.finished and not stream:
-                reason = out.outputs[0].finish_reason
-                print(f"--- [{out.request_id}] {args.prompts[int(out.request_id)]!r} ({reason})")
+                print(f"--- [{out.request_id}] {args.prompts[int(out.request_id)]!r}")
                 print(texts[out.request_id].strip(), flush=True)
+            if out.finished:
+                _print_cut_note(out.outputs[0].finish_reason, args.max_tokens, stream)
+    return 0
+
+
+def _print_cut_note(finish_reason, max_tokens: int, stream: bool) -> None:
+    """Say when an answer stopped because it hit --max-tokens, not because it was done."""
     if stream:
         print()
-    return 0
+    if finish_reason == "length":  # max_tokens (or max_model_len) reached
+        print(f"[cut at --max-tokens {max_tokens}; raise it for the rest]", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop string (repeatable)",
     )
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap each prompt in the model's chat template (default: yes when the model "
+        "has one, as SmolLM2-Instruct does); --no-chat sends the text as a raw completion",
+    )
     EngineConfig.add_cli_args(gen)
     gen.set_defaults(func=_generate)
 

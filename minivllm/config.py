@@ -24,6 +24,25 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 SCHEDULING_POLICIES = ("continuous", "static")
 
 
+_MEMORY_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+_MEMORY_UNITS |= {"KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def parse_memory_size(text: str) -> int:
+    """``"64MiB"`` -> 67108864; a bare number is bytes. For ``--kv-cache-memory``."""
+    number = text.rstrip("BbKkMmGgIi")
+    unit = text[len(number) :].upper()
+    try:
+        value = float(number) * _MEMORY_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"bad memory size {text!r}; use bytes or a unit: 512KiB, 64MiB, 1GiB"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"memory size must be positive, got {text!r}")
+    return int(value)
+
+
 SPECULATIVE_METHODS = ("ngram",)
 
 
@@ -96,7 +115,12 @@ class EngineConfig:
         default=None, metadata={"help": "KV blocks (default: from --kv-cache-memory-bytes)"}
     )
     kv_cache_memory_bytes: int = field(
-        default=DEFAULT_KV_CACHE_BYTES, metadata={"help": "memory for the KV cache"}
+        default=DEFAULT_KV_CACHE_BYTES,
+        metadata={
+            "help": "memory for the KV cache, in bytes or with a unit: 64MiB, 1GiB",
+            "aliases": ("--kv-cache-memory",),
+            "type": parse_memory_size,
+        },
     )
     max_num_seqs: int = field(default=64, metadata={"help": "most requests in one step"})
     max_num_batched_tokens: int = field(

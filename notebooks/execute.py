@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import base64
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -53,10 +54,23 @@ def execute(source: Path) -> Path:
         resources={"metadata": {"path": str(NOTEBOOKS)}},
     )
     client.execute()
+    strip_tool_comments(notebook)
     target = OUT / source.with_suffix(".ipynb").name
     nbformat.write(notebook, target)
     save_tagged_figures(notebook)
     return target
+
+
+# "# fmt: skip", "# noqa: E402": instructions to the formatter and linter of the .py
+# sources, noise to a reader of the rendered page.
+TOOL_COMMENT = re.compile(r"[ \t]*# (fmt: (skip|off|on)|noqa\b[: A-Z0-9,]*)[ \t]*$", re.M)
+
+
+def strip_tool_comments(notebook: nbformat.NotebookNode) -> None:
+    """Drop the tooling comments from the code cells of the executed notebook."""
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            cell.source = TOOL_COMMENT.sub("", cell.source)
 
 
 def save_tagged_figures(notebook: nbformat.NotebookNode) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from minivllm.bench.metrics import (
@@ -49,9 +48,12 @@ def test_single_token_request_has_no_tpot():
 def test_latency_stats_mean_and_percentiles():
     stats = LatencyStats.of([1.0, 2.0, 3.0, 4.0])
     assert stats.mean == 2.5
-    assert stats.p50 == 2.5
-    assert stats.p90 == pytest.approx(3.7)  # linear interpolation, like numpy / vLLM
-    assert stats.p99 == pytest.approx(3.97)
+    # Nearest rank: each percentile is one of the values, never a point between two.
+    assert stats.p50 == 2.0
+    assert stats.p90 == 4.0
+    assert stats.p99 == 4.0
+    bimodal = LatencyStats.of([1.0] * 5 + [9.0] * 5)
+    assert bimodal.p50 == 1.0  # interpolation would say 5.0, which nobody waited
     assert LatencyStats.of([]) == LatencyStats(None, None, None, None)
 
 

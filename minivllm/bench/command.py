@@ -1,5 +1,5 @@
 """``minivllm bench``: one workload through each scheduling policy (and, optionally,
-transformers), then the side-by-side table, the targets, JSON and plots."""
+transformers), then the side-by-side table, what it shows in plain words, JSON and plots."""
 
 from __future__ import annotations
 
@@ -76,6 +76,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     o.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     o.add_argument("--plot", default=None, metavar="DIR", help="write timeline/batch/CDF PNGs")
     o.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    o.add_argument("--brief", action="store_true", help="a short table: the key rows only")
     o.add_argument(
         "--threads",
         type=arg_types.positive_int,
@@ -118,10 +119,13 @@ def run_bench(args: argparse.Namespace) -> int:
     context["matmul_peak_gflops"] = measure_matmul_peak()
     print()
     print(context["title"])
-    print(report.format_table(runs))
+    print(report.format_table(runs, brief=args.brief))
+    print("(percentiles: nearest rank, each one a latency some request or token really had)")
+    for line in report.conclusions(runs):
+        print(line)
     print(
         f"\nfp32 matmul peak measured just now: {context['matmul_peak_gflops']:.0f} GFLOP/s "
-        f"({torch.get_num_threads()} threads); model GFLOP/s counts useful work only "
+        f"({_threads(torch.get_num_threads())}); model GFLOP/s counts useful work only "
         "(no padding, no recomputation)"
     )
     for run in runs:
@@ -130,10 +134,6 @@ def run_bench(args: argparse.Namespace) -> int:
     agree = report.outputs_agree(runs, "static", "continuous")
     if agree:
         print(f"\ngreedy outputs identical under both policies: {agree[0]}/{agree[1]} requests")
-    found = report.targets(runs) if not math.isfinite(args.request_rate) else []
-    if found:  # the issues' targets are for the offline workload
-        print("\ntargets (issues 5 and 2, offline):")
-        print("\n".join(t.line() for t in found))
     if args.json:
         report.write_json(args.json, runs, context)
         print(f"\nJSON: {args.json}")
@@ -250,6 +250,10 @@ def _hf_runs(args, config, model_path, workload: Workload, num_kv_blocks, progre
     return [static, continuous]
 
 
+def _threads(n: int) -> str:
+    return "1 thread" if n == 1 else f"{n} threads"
+
+
 def _default_model() -> str:
     from minivllm.models.model_files import default_model_path
 
@@ -277,7 +281,7 @@ def _context(args, config, workload: Workload, max_model_len: int, num_kv_blocks
     model = config.model or "SmolLM2-135M-Instruct"
     title = (
         f"{model} | {config.torch_dtype} on {config.torch_device}, "
-        f"{torch.get_num_threads()} threads | attention "
+        f"{_threads(torch.get_num_threads())} | attention "
         f"{config.attention_backend_name} | max_num_seqs {config.max_num_seqs}, "
         f"max_num_batched_tokens {config.max_num_batched_tokens}, max_model_len "
         f"{max_model_len}, {num_kv_blocks} KV blocks x {config.block_size}\n"

@@ -21,6 +21,10 @@ from minivllm.metrics import StepStats
 from minivllm.sequence import RequestMetrics
 
 PERCENTILES = (50, 90, 99)
+# Nearest rank: every percentile is a latency some request (or token) really had. numpy's
+# default (and vLLM's) interpolates, which can report a P50 halfway between two groups of
+# requests that nobody experienced.
+PERCENTILE_METHOD = "inverted_cdf"
 
 
 @dataclass
@@ -35,7 +39,8 @@ class RequestResult:
 
 @dataclass
 class LatencyStats:
-    """Mean and percentiles of one latency over a run, in seconds (None: no samples)."""
+    """Mean and nearest-rank percentiles of one latency over a run, in seconds (None: no
+    samples)."""
 
     mean: float | None
     p50: float | None
@@ -46,7 +51,9 @@ class LatencyStats:
     def of(cls, values: list[float]) -> LatencyStats:
         if not values:
             return cls(None, None, None, None)
-        p50, p90, p99 = (float(v) for v in np.percentile(values, PERCENTILES))
+        p50, p90, p99 = (
+            float(v) for v in np.percentile(values, PERCENTILES, method=PERCENTILE_METHOD)
+        )
         return cls(float(np.mean(values)), p50, p90, p99)
 
 
@@ -74,6 +81,7 @@ class RunSummary:
     kv_utilization: float | None = None  # tokens stored / slots reserved, over all steps
     max_kv_blocks_used: int | None = None
     mean_batch_size: float | None = None  # real sequences per step
+    max_batch_size: int | None = None  # the most real sequences in one step
     num_preemptions: int | None = None
     prefix_cache_hit_rate: float | None = None
     model_flops: float | None = None  # the useful work: `ModelConfig.request_flops`, summed
@@ -139,6 +147,7 @@ def _add_step_totals(summary: RunSummary, steps: list[StepStats], block_size: in
     summary.max_kv_blocks_used = max(s.num_kv_blocks_used for s in steps)
     batch_sizes = [len(s.prefill_ids) + len(s.decode_ids) for s in steps]
     summary.mean_batch_size = float(np.mean(batch_sizes))
+    summary.max_batch_size = max(batch_sizes)
     if block_size is not None:
         summary.kv_utilization = kv_utilization(steps, block_size)
 

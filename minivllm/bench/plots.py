@@ -26,6 +26,9 @@ COLOURS = {
     "preempted": "#b07aa1",
 }
 
+# Legends beside the axes, never on top of a curve.
+OUTSIDE_RIGHT = dict(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+
 
 def write_all(runs: list[BenchRun], out_dir: str | Path) -> list[Path]:
     """Draw every picture the runs allow into ``out_dir``; returns the files written."""
@@ -112,7 +115,7 @@ def plot_timeline(runs: list[BenchRun], path: Path) -> Path:
 def plot_batch_and_kv(runs: list[BenchRun], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    fig, (batch_ax, kv_ax) = plt.subplots(2, 1, figsize=(12, 6.5), sharex=True)
+    fig, (batch_ax, kv_ax) = plt.subplots(2, 1, figsize=(13, 6.5), sharex=True)
     for run in runs:
         # Counts are taken after each step; drawn from the step's start, they show (up to
         # the requests that finished in it) what the step ran with.
@@ -137,10 +140,10 @@ def plot_batch_and_kv(runs: list[BenchRun], path: Path) -> Path:
                 label=f"{run.name}: holding real tokens",
             )  # fmt: skip
     batch_ax.set_ylabel("sequences per step")
-    batch_ax.legend(loc="upper right", fontsize=8)
+    batch_ax.legend(**OUTSIDE_RIGHT)
     kv_ax.set_ylabel("KV blocks")
     kv_ax.set_xlabel("time since start (s)")
-    kv_ax.legend(loc="upper right", fontsize=8)
+    kv_ax.legend(**OUTSIDE_RIGHT)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -150,7 +153,7 @@ def plot_batch_and_kv(runs: list[BenchRun], path: Path) -> Path:
 def plot_latency_cdfs(runs: list[BenchRun], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, (title, attr) in zip(axes, [("TTFT", "ttft"), ("end-to-end latency", "e2e_latency")]):
         for run in runs:
             values = np.sort([getattr(r.metrics, attr) for r in run.requests])
@@ -160,7 +163,7 @@ def plot_latency_cdfs(runs: list[BenchRun], path: Path) -> Path:
         ax.set_xlabel("seconds")
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
+        ax.legend(**OUTSIDE_RIGHT)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,9 +1,9 @@
-"""The side-by-side table, the targets check and the JSON file of a benchmark."""
+"""The side-by-side table, the plain-words conclusions and the JSON file of a benchmark."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from minivllm.bench.metrics import RunSummary
@@ -17,25 +17,19 @@ COLUMN_TITLES = {
 }
 LATENCIES = [("queue", "queue_time"), ("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl")]
 LATENCIES += [("E2E", "e2e_latency")]
-
-
-@dataclass
-class Target:
-    """One of the issue's targets: ``value`` must be >= (or <=) ``goal``."""
-
-    name: str
-    value: float
-    goal: float
-    at_least: bool
-
-    @property
-    def met(self) -> bool:
-        return self.value >= self.goal if self.at_least else self.value <= self.goal
-
-    def line(self) -> str:
-        sign = ">=" if self.at_least else "<="
-        verdict = "met" if self.met else f"MISSED (by {abs(self.value / self.goal - 1):.0%})"
-        return f"  {self.name}: {self.value:.2f} (target {sign} {self.goal:g})  {verdict}"
+# `format_table(brief=True)`: the rows that tell the story, for a short demo table.
+BRIEF_ROWS = (
+    "output tokens/s",
+    "duration (s)",
+    "TTFT p50 (ms)",
+    "TPOT p50 (ms)",
+    "ITL p99 (ms)",
+    "E2E p99 (ms)",
+    "padding waste (%)",
+    "mean batch size",
+    "max batch size",
+    "preemptions",
+)
 
 
 def table_rows(summary: RunSummary) -> list[tuple[str, float | None, str]]:
@@ -57,6 +51,7 @@ def table_rows(summary: RunSummary) -> list[tuple[str, float | None, str]]:
         ("padding waste (%)", _percent(s.padding_waste), ".1f"),
         ("KV utilisation (%)", _percent(s.kv_utilization), ".1f"),
         ("mean batch size", s.mean_batch_size, ".1f"),
+        ("max batch size", s.max_batch_size, "d"),
         ("max KV blocks used", s.max_kv_blocks_used, "d"),
         ("engine steps", s.num_steps, "d"),
         ("preemptions", s.num_preemptions, "d"),
@@ -66,8 +61,9 @@ def table_rows(summary: RunSummary) -> list[tuple[str, float | None, str]]:
     return rows
 
 
-def format_table(runs: list[BenchRun]) -> str:
-    """Metrics down, runs across; a continuous/static ratio column once both have run."""
+def format_table(runs: list[BenchRun], brief: bool = False) -> str:
+    """Metrics down, runs across; a continuous/static ratio column once both have run.
+    Percentiles are nearest-rank (`LatencyStats`). ``brief``: only `BRIEF_ROWS`."""
     labels = [label for label, _, _ in table_rows(runs[0].summary)]
     titles: list[str] = []
     columns: list[list[str]] = []
@@ -83,39 +79,39 @@ def format_table(runs: list[BenchRun]) -> str:
     header = f"{'metric':<26}" + "".join(f"{t:>14}" for t in titles)
     lines = [header, "-" * len(header)]
     for i, label in enumerate(labels):
+        if brief and label not in BRIEF_ROWS:
+            continue
         lines.append(f"{label:<26}" + "".join(f"{col[i]:>14}" for col in columns))
     return "\n".join(lines)
 
 
-def targets(runs: list[BenchRun]) -> list[Target]:
-    """The issue's targets that these runs can check."""
+def conclusions(runs: list[BenchRun]) -> list[str]:
+    """What the static and continuous runs measured, in plain words: throughput, the
+    tail latency, how big a batch each policy reached, and why."""
     by_name = {run.name: run.summary for run in runs}
-    found = []
-    cont, static = by_name.get("continuous"), by_name.get("static")
-    if cont and static:
-        found.append(
-            Target(
-                "continuous / static output tok/s",
-                cont.output_throughput / static.output_throughput,
-                3.0,
-                True,
-            )
+    static, cont = by_name.get("static"), by_name.get("continuous")
+    if not (static and cont):
+        return []
+    speedup = cont.output_throughput / static.output_throughput
+    p99_change = cont.e2e_latency.p99 / static.e2e_latency.p99 - 1
+    tpot = f"TPOT P50 {_ms(cont.tpot.p50)} vs {_ms(static.tpot.p50)} ms"
+    if cont.tpot.p50 and static.tpot.p50 and cont.tpot.p50 > static.tpot.p50:
+        tpot += " (a decode that shares a step with a prefill chunk waits for it)"
+    lines = [
+        f"continuous batching made {cont.output_throughput:.1f} output tokens/s, static "
+        f"{static.output_throughput:.1f}: {speedup:.2f}x the throughput.",
+        f"P99 end-to-end latency {cont.e2e_latency.p99:.1f} s (continuous) vs "
+        f"{static.e2e_latency.p99:.1f} s (static), {p99_change:+.0%}; {tpot}.",
+    ]
+    if static.max_batch_size is not None and cont.max_batch_size is not None:
+        lines.append(
+            f"batch sizes reached: static at most {static.max_batch_size} requests per step "
+            f"(mean {static.mean_batch_size:.1f}), continuous at most {cont.max_batch_size} "
+            f"(mean {cont.mean_batch_size:.1f}); padding waste static "
+            f"{_percent(static.padding_waste):.0f} %, continuous "
+            f"{_percent(cont.padding_waste):.0f} %."
         )
-        found.append(
-            Target(
-                "continuous / static P99 e2e latency",
-                cont.e2e_latency.p99 / static.e2e_latency.p99,
-                0.5,
-                False,
-            )
-        )
-    for name, goal in (("hf-continuous", 1.5), ("hf-static", 3.0)):
-        if cont and name in by_name:
-            value = cont.output_throughput / by_name[name].output_throughput
-            found.append(Target(f"continuous / {name} output tok/s", value, goal, True))
-    if cont and cont.kv_utilization is not None:
-        found.append(Target("continuous KV utilisation", cont.kv_utilization, 0.9, True))
-    return found
+    return lines
 
 
 def outputs_agree(runs: list[BenchRun], a: str, b: str) -> tuple[int, int] | None:
@@ -128,12 +124,10 @@ def outputs_agree(runs: list[BenchRun], a: str, b: str) -> tuple[int, int] | Non
 
 
 def write_json(path: str | Path, runs: list[BenchRun], context: dict) -> None:
-    """Everything measured: context (command, config, workload), per-run summaries, the
-    per-request latencies, and the targets."""
+    """Everything measured: context (command, config, workload), per-run summaries and
+    the per-request latencies."""
     data = dict(context)
     data["runs"] = {run.name: _run_json(run) for run in runs}
-    offline = data.get("workload", {}).get("request_rate") is None
-    data["targets"] = [asdict(t) | {"met": t.met} for t in targets(runs)] if offline else []
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(data, indent=2))
 
@@ -162,6 +156,10 @@ def _run_json(run: BenchRun) -> dict:
 def _ratio(cont_row: tuple, static_row: tuple) -> str:
     cont, static = cont_row[1], static_row[1]
     return "-" if cont is None or not static else f"{cont / static:.2f}x"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
 
 
 def _percent(value: float | None) -> float | None:
