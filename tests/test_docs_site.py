@@ -245,7 +245,18 @@ def _static_page(path: str) -> _Page:
     return page
 
 
-@pytest.mark.parametrize("path", ["tutorial/results", "tutorial/paged-attention", "glossary"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "tutorial/results",
+        "tutorial/paged-attention",
+        "glossary",
+        "tutorial/speculative-decoding",
+        "tutorial/serving",
+        "tutorial/scheduler-queues",
+        "tutorial/what-a-gpu-would-do",
+    ],
+)
 def test_chinese_pages_show_the_same_measured_tables(path):
     """One source of numbers: every table cell of the English page (its tables are shared
     snippets) is on the Chinese page too, in the same order."""

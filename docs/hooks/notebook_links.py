@@ -33,6 +33,9 @@ CHINESE_CHAPTERS = {
         ("tutorial/together.zh.md", "第 4 章 两者如何配合（前缀缓存）"),
     ],
     "05_attention_kernel": [("kernels.zh.md", "Attention kernel")],
+    "06_speculative_decoding": [
+        ("tutorial/speculative-decoding.zh.md", "第 10 章 投机解码"),
+    ],
 }
 
 
