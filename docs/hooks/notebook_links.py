@@ -36,6 +36,9 @@ CHINESE_CHAPTERS = {
     "06_speculative_decoding": [
         ("tutorial/speculative-decoding.zh.md", "第 10 章 投机解码"),
     ],
+    "07_what_a_gpu_would_do": [
+        ("tutorial/what-a-gpu-would-do.zh.md", "第 7 章 换成 GPU 会怎样"),
+    ],
 }
 
 
