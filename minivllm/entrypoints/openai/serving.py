@@ -75,20 +75,7 @@ class OpenAIServing:
             return self._completion_events(accepted, request.include_usage_in_stream)
         final = await accepted.stream.collect()
         self.live.update(final)
-        completion = final.outputs[0]
-        return CompletionResponse(
-            id=accepted.request_id,
-            created=accepted.created,
-            model=accepted.model,
-            choices=[
-                CompletionChoice(
-                    text=completion.text,
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
-                )
-            ],
-            usage=_usage(final),
-        )
+        return _completion_response(accepted, final, _usage(final))
 
     def _completion_prompt(self, prompt: str | list[int], request) -> Callable[[], Prompt]:
         def build() -> Prompt:  # runs on the engine thread
@@ -104,18 +91,7 @@ class OpenAIServing:
 
     async def _completion_events(self, accepted: Accepted, include_usage: bool):
         def chunk(output: RequestOutput) -> CompletionResponse:
-            completion = output.outputs[0]
-            choice = CompletionChoice(
-                text=completion.text,
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
-            )
-            return CompletionResponse(
-                id=accepted.request_id,
-                created=accepted.created,
-                model=accepted.model,
-                choices=[choice],
-            )
+            return _completion_response(accepted, output)
 
         async for event in self._events(accepted, chunk, None, include_usage):
             yield event
@@ -293,3 +269,22 @@ def _usage(output: RequestOutput) -> UsageInfo:
 
 def _sse(data: str) -> str:
     return f"data: {data}\n\n"
+
+
+def _completion_response(
+    accepted: Accepted, output: RequestOutput, usage: UsageInfo | None = None
+) -> CompletionResponse:
+    """One completion's text so far (a stream chunk) or in full (with ``usage``)."""
+    completion = output.outputs[0]
+    choice = CompletionChoice(
+        text=completion.text,
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+    )
+    return CompletionResponse(
+        id=accepted.request_id,
+        created=accepted.created,
+        model=accepted.model,
+        choices=[choice],
+        usage=usage,
+    )
