@@ -35,9 +35,12 @@ def queue_rows(tiny_llama_path):
 
 def test_docs_queue_table_is_what_the_scheduler_does(queue_rows):
     """EOS is ignored and prefix caching is off, so the schedule does not depend on the
-    model's weights: the tiny model must reproduce the chapter's table row for row."""
+    model's weights: the tiny model must reproduce the chapter's table row for row (the
+    table is a snippet both languages of the chapter include)."""
     chapter = (ROOT / "docs/tutorial/scheduler-queues.md").read_text()
-    documented = [line for line in chapter.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert '--8<-- "scheduler-queues-steps.md"' in chapter
+    table = (ROOT / "docs/snippets/scheduler-queues-steps.md").read_text()
+    documented = [line for line in table.splitlines() if re.match(r"\| \d+ \|", line)]
     produced = scheduler_queues.markdown(queue_rows, 32).splitlines()[2:]
     assert produced == documented
 
