@@ -20,10 +20,9 @@ import time
 
 import torch
 from minivllm_kernels.random_batch import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, random_paged_step
-from roofline import measure_read_bandwidth  # benchmarks/ is on the path of its scripts
 
 from minivllm.attention import get_backend
-from minivllm.metrics import measure_matmul_peak
+from minivllm.bench.metrics import measure_matmul_peak, measure_read_bandwidth
 
 
 def work(context_lens: list[int], query_lens: list[int]) -> tuple[float, float]:
@@ -66,7 +65,7 @@ def main() -> None:
 
     # One tiny call starts numba's thread pool, so threading_layer() can name the layer.
     backends["numba-cpu"].forward(*random_paged_step([1], [1]), HEAD_DIM**-0.5)
-    read_gbps, peak_gflops = measure_read_bandwidth(), measure_matmul_peak()
+    read_gbps, peak_gflops = measure_read_bandwidth() / 1e9, measure_matmul_peak()
     print(
         f"torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()} "
         f"(layer {numba.threading_layer()}); "

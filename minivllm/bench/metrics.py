@@ -104,6 +104,17 @@ def measure_matmul_peak(size: int = 1024, seconds: float = 1.0) -> float:
     return 2 * size**3 * num_calls / elapsed / 1e9
 
 
+def measure_read_bandwidth(num_bytes: int = 256 << 20, seconds: float = 0.5) -> float:
+    """Bytes/s a reduction reads from memory (a tensor far larger than the caches)."""
+    x = torch.ones(num_bytes // 4)
+    x.sum()  # warm-up
+    num_calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        x.sum()
+        num_calls += 1
+    return num_bytes * num_calls / elapsed
+
+
 def summarize(
     requests: list[RequestResult],
     duration: float,

@@ -12,10 +12,7 @@ model (scheduling, sampling, launching kernels). ``this-cpu`` is measured on the
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, replace
-
-import torch
 
 GiB = 1 << 30
 
@@ -82,7 +79,7 @@ def measure_this_cpu(seconds: float = 0.5, step_overhead_s: float = 0.0) -> Hard
     matmul rate and the rate at which a sum streams a large tensor from memory, taken as
     achieved rates (efficiencies 1). `calibrate.py` fits the per-step overhead and the
     efficiency of the model's own steps from a real run."""
-    from minivllm.bench.metrics import measure_matmul_peak
+    from minivllm.bench.metrics import measure_matmul_peak, measure_read_bandwidth
 
     flops = measure_matmul_peak(size=1024, seconds=seconds) * 1e9
     return Hardware(
@@ -97,17 +94,6 @@ def measure_this_cpu(seconds: float = 0.5, step_overhead_s: float = 0.0) -> Hard
         step_overhead_s=step_overhead_s,
         allreduce_latency_s=0.0,
     )
-
-
-def measure_read_bandwidth(num_bytes: int = 256 << 20, seconds: float = 0.5) -> float:
-    """Bytes/s a reduction reads from memory (a tensor far larger than the caches)."""
-    x = torch.ones(num_bytes // 4)
-    x.sum()  # warm-up
-    num_calls, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        x.sum()
-        num_calls += 1
-    return num_bytes * num_calls / elapsed
 
 
 def with_overrides(hardware: Hardware, **changes) -> Hardware:
