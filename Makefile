@@ -46,7 +46,7 @@ DEMO_WORKLOAD := --num-prompts 24 --prompt-len lognormal:48:0.8:16:384 \
 	--output-len lognormal:24:0.6:8:64 --max-model-len 512 \
 	--attention-backend numba-cpu --threads $(DEMO_THREADS) --brief
 demo: $(MODEL_STAMP)
-	@echo "make demo: four benchmark runs after two questions; 1.5 min measured on a quiet 2-core"
+	@echo "make demo: four benchmark runs after two questions; 1.4 min measured on an idle 2-core"
 	@echo "machine, 6.5 min when other busy processes shared its cores. Progress below."
 	@echo "== Two questions, answered with the model's chat template"
 	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/minivllm generate --max-tokens 48 \
