@@ -8,6 +8,7 @@ from minivllm.simulator.cost_model import (
     allreduce_seconds,
     attention_flops,
     keys_attended,
+    kv_bytes_per_token,
     kv_read_bytes,
     kv_write_bytes,
     linear_flops,
@@ -108,7 +109,7 @@ def test_kv_pool_sizing_by_hand():
 def test_llama_8b_on_h200_matches_the_published_shapes():
     llama = get_model("llama-3.1-8b")
     assert round(llama.num_parameters / 1e9, 2) == 8.03
-    assert llama.kv_bytes_per_token(2) == 128 * 1024
+    assert kv_bytes_per_token(llama, 2) == 128 * 1024
     sizing = size_kv_pool(llama, get_hardware("h200"))
     # 0.9 x 141 GiB - 14.96 GiB weights - activations, in 2 MiB blocks
     assert sizing.block_bytes == 2 << 20

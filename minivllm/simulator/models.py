@@ -64,10 +64,6 @@ class ModelShape:
             self.embedding_params + self.num_layers * self.layer_params + self.hidden_size + lm_head
         )
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Keys and values of one token, all layers."""
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
-
     def to_model_config(self) -> ModelConfig:
         """The engine's `ModelConfig` of this shape (rotary frequencies are never used)."""
         return ModelConfig(
