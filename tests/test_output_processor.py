@@ -1,0 +1,178 @@
+"""The output processor's other rules, with no model: length stops, EOS, several tokens in
+one step (speculative decoding), what each output kind reports, and no tokenizer.
+
+Stop strings and streaming are in test_stop_strings.py; these tests use the same trained
+byte-level tokenizer, with words spelled by its own token ids ("hello world" is
+``he ll o ␣ wor ld``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from minivllm.output_processor import OutputProcessor
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.sequence import FinishReason, Sequence
+from tests.test_stop_strings import byte_level_tokenizer
+
+EOS = 0  # the tokenizer's <eos>
+HE, LL, OH, SPACE, WOR, LD = 257, 282, 79, 221, 295, 281
+
+
+def make(params: SamplingParams, max_model_len=100, tokenizer=True, prompt=(5, 6)):
+    processor = OutputProcessor(
+        byte_level_tokenizer() if tokenizer else None, frozenset({EOS}), max_model_len
+    )
+    seq = Sequence("r", list(prompt), params, prompt="the prompt")
+    processor.add_request(seq)
+    return processor, seq
+
+
+def feed(processor: OutputProcessor, seq: Sequence, token_ids: list[int]):
+    """One step that sampled ``token_ids``; finishes ``seq`` if they stop it (the engine's job)."""
+    stop = processor.append_tokens(seq, token_ids, now=1.0)
+    if stop is not None:
+        seq.finish(stop.reason, 2.0, stop.stop_reason)
+    return stop
+
+
+def test_the_token_ids_spell_hello_world():
+    assert byte_level_tokenizer()("hello world").input_ids == [HE, LL, OH, SPACE, WOR, LD]
+
+
+# --- when a request stops -------------------------------------------------------------------
+
+
+def test_max_tokens_ends_a_request_by_length_at_its_last_token():
+    processor, seq = make(SamplingParams(max_tokens=3))
+    assert feed(processor, seq, [HE]) is None
+    assert feed(processor, seq, [LL]) is None
+    stop = feed(processor, seq, [OH])
+    assert (stop.reason, stop.stop_reason) == (FinishReason.LENGTH, None)
+    assert processor.make_output(seq).outputs[0].text == "hello"
+
+
+def test_max_model_len_ends_a_request_by_length():
+    """Prompt 2 tokens, max_model_len 4: the second output token is the last."""
+    processor, seq = make(SamplingParams(max_tokens=None), max_model_len=4)
+    assert feed(processor, seq, [HE]) is None
+    assert feed(processor, seq, [LL]).reason is FinishReason.LENGTH
+
+
+def test_eos_stops_without_a_stop_reason_unless_ignored():
+    processor, seq = make(SamplingParams(max_tokens=10))
+    stop = feed(processor, seq, [HE, EOS])
+    assert (stop.reason, stop.stop_reason) == (FinishReason.STOP, None)
+    processor, seq = make(SamplingParams(max_tokens=10, ignore_eos=True))
+    assert feed(processor, seq, [HE, EOS, LL]) is None
+    assert seq.output_token_ids == [HE, EOS, LL]
+
+
+def test_a_stop_token_id_names_itself_as_the_stop_reason():
+    processor, seq = make(SamplingParams(max_tokens=10, stop_token_ids=[OH]))
+    stop = feed(processor, seq, [HE, LL, OH])
+    assert (stop.reason, stop.stop_reason) == (FinishReason.STOP, OH)
+
+
+@pytest.mark.parametrize(
+    "params, token_ids, reason, kept",
+    [
+        (dict(stop_token_ids=[OH]), [HE, OH, LL, LD], (FinishReason.STOP, OH), [HE, OH]),
+        ({}, [HE, EOS, LL], (FinishReason.STOP, None), [HE, EOS]),
+        (dict(max_tokens=3), [HE, LL, WOR, LD], (FinishReason.LENGTH, None), [HE, LL, WOR]),
+        (dict(stop=["ll"]), [HE, LL, SPACE, WOR], (FinishReason.STOP, "ll"), [HE, LL]),
+    ],
+    ids=["stop token id", "EOS", "max_tokens", "stop string"],
+)
+def test_several_tokens_in_one_step_stop_at_the_first_stop_and_drop_the_rest(
+    params, token_ids, reason, kept
+):
+    """Speculative decoding appends the accepted drafts and the bonus token in one step: a
+    stop among them ends the request there, the tokens after it are never appended."""
+    processor, seq = make(SamplingParams(**({"max_tokens": 10} | params)))
+    stop = feed(processor, seq, token_ids)
+    assert (stop.reason, stop.stop_reason) == reason
+    assert seq.output_token_ids == kept
+
+
+def test_a_step_that_does_not_stop_appends_all_its_tokens():
+    processor, seq = make(SamplingParams(max_tokens=10))
+    assert feed(processor, seq, [HE, LL, OH]) is None
+    assert seq.output_token_ids == [HE, LL, OH] and not seq.is_finished
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_wins_over_length():
+    processor, seq = make(SamplingParams(max_tokens=3, stop=["llo"]))
+    feed(processor, seq, [HE, LL])
+    stop = feed(processor, seq, [OH])
+    assert (stop.reason, stop.stop_reason) == (FinishReason.STOP, "llo")
+    assert processor.make_output(seq).outputs[0].text == "he"
+
+
+# --- what is reported -----------------------------------------------------------------------
+
+
+def test_a_cumulative_output_carries_the_whole_request_each_step():
+    processor, seq = make(SamplingParams(max_tokens=2))
+    seq.num_cached_tokens = 1
+    feed(processor, seq, [HE])
+    first = processor.make_output(seq)
+    assert (first.request_id, first.prompt, first.prompt_token_ids) == ("r", "the prompt", [5, 6])
+    assert (first.finished, first.num_cached_tokens, first.metrics) == (False, 1, seq.metrics)
+    [completion] = first.outputs
+    assert (completion.index, completion.text, completion.token_ids) == (0, "he", [HE])
+    assert (completion.finish_reason, completion.stop_reason) == (None, None)
+    feed(processor, seq, [LL])
+    last = processor.make_output(seq)
+    assert last.finished and last.outputs[0].finish_reason == "length"
+    assert (last.outputs[0].text, last.outputs[0].token_ids) == ("hell", [HE, LL])
+
+
+def test_final_only_reports_once_at_the_end():
+    processor, seq = make(SamplingParams(max_tokens=2, output_kind=RequestOutputKind.FINAL_ONLY))
+    feed(processor, seq, [HE])
+    assert processor.make_output(seq) is None
+    feed(processor, seq, [LL])
+    final = processor.make_output(seq)
+    assert final.finished and final.outputs[0].text == "hell"
+
+
+def test_a_delta_output_reports_only_new_tokens_and_nothing_after_a_step_without_one():
+    params = SamplingParams(max_tokens=3, output_kind=RequestOutputKind.DELTA)
+    processor, seq = make(params)
+    assert processor.make_output(seq) is None  # a prefill chunk: no token yet
+    feed(processor, seq, [HE, LL])
+    delta = processor.make_output(seq).outputs[0]
+    assert (delta.text, delta.token_ids) == ("hell", [HE, LL])
+    assert processor.make_output(seq) is None
+    feed(processor, seq, [OH])
+    delta = processor.make_output(seq).outputs[0]
+    assert (delta.text, delta.token_ids, delta.finish_reason) == ("o", [OH], "length")
+
+
+def test_a_finished_or_aborted_request_leaves_no_state_behind():
+    processor, seq = make(SamplingParams(max_tokens=1))
+    feed(processor, seq, [HE])
+    processor.make_output(seq)
+    assert processor.detokenizers == {}
+    processor, seq = make(SamplingParams(max_tokens=5))
+    processor.abort_request("r")
+    processor.abort_request("never seen")  # a no-op
+    assert processor.detokenizers == {}
+
+
+@pytest.mark.parametrize("skip, text", [(True, "hell"), (False, "he<eos>ll")])
+def test_special_tokens_are_left_out_of_the_text_unless_asked_for(skip, text):
+    params = SamplingParams(max_tokens=3, ignore_eos=True, skip_special_tokens=skip)
+    processor, seq = make(params)
+    feed(processor, seq, [HE, EOS, LL])
+    assert processor.make_output(seq).outputs[0].text == text
+
+
+def test_without_a_tokenizer_tokens_still_stop_and_the_text_stays_empty():
+    params = SamplingParams(max_tokens=10, stop_token_ids=[OH])
+    processor, seq = make(params, tokenizer=False)
+    stop = feed(processor, seq, [HE, LL, OH, LD])
+    assert (stop.reason, stop.stop_reason) == (FinishReason.STOP, OH)
+    output = processor.make_output(seq).outputs[0]
+    assert (output.text, output.token_ids) == ("", [HE, LL, OH])
