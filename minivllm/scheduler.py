@@ -139,7 +139,7 @@ class Scheduler:
                 max_drafts = min(
                     max_drafts, seq.sampling_params.max_tokens - 1 - seq.num_output_tokens
                 )
-            drafts = self.proposer.propose(seq.token_ids, max_drafts) if max_drafts > 0 else []
+            drafts = self.proposer.propose(seq.token_ids, max_drafts)  # none if max_drafts < 1
             if not drafts:
                 continue
             num_new = out.num_scheduled_tokens[seq.request_id] + len(drafts)

@@ -164,6 +164,18 @@ def test_no_drafts_while_min_tokens_bans_stops_nor_with_min_p(min_tokens, min_p,
     assert scheduled(out) == {"a": 1 + len(expected)}
 
 
+def test_a_request_without_drafts_does_not_stop_the_ones_after_it():
+    """a may not draft (min_p), b finds no earlier n-gram: c, the newest, still drafts."""
+    scheduler = make_scheduler(k=3)
+    a, c = make_seq("a", 8, min_p=0.1), make_seq("c", 8)
+    b = Sequence("b", [5, 6, 7, 8], SamplingParams(temperature=0))
+    add(scheduler, a, b, c)
+    step(scheduler)
+    out = scheduler.schedule()
+    assert scheduled(out) == {"a": 1, "b": 1, "c": 4}
+    assert drafts_of(out) == {"c": [2, 3, 4]}
+
+
 def test_without_a_proposer_the_scheduler_counts_no_draft_positions():
     manager = KVCacheManager(8, block_size=4)
     plain = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)
