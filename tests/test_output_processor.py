@@ -176,3 +176,59 @@ def test_without_a_tokenizer_tokens_still_stop_and_the_text_stays_empty():
     assert (stop.reason, stop.stop_reason) == (FinishReason.STOP, OH)
     output = processor.make_output(seq).outputs[0]
     assert (output.text, output.token_ids) == ("", [HE, LL, OH])
+
+
+# --- stop strings: which one, and what streaming holds back ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "stop, include, texts",
+    [
+        (["xyz"], False, ["", "he", "hel", "hello"]),  # the last 2 characters wait
+        (["xyz", "abcd"], False, ["", "h", "he", "hello"]),  # the longest stop decides
+        (["xyz"], True, ["he", "hell", "hello", "hello"]),  # included: nothing to hide
+        ([], False, ["he", "hell", "hello", "hello"]),
+    ],
+)
+def test_streaming_holds_back_what_could_be_the_start_of_a_stop_string(stop, include, texts):
+    """A stop string of n characters: the last n - 1 characters shown could be its start,
+    so they are shown only once more text (or the end) proves they are not."""
+    params = SamplingParams(max_tokens=4, stop=stop, include_stop_str_in_output=include)
+    processor, seq = make(params)
+    shown = []
+    for token in (HE, LL, OH):
+        feed(processor, seq, [token])
+        shown.append(processor.make_output(seq).outputs[0].text)
+    feed(processor, seq, [SPACE])
+    shown.append(processor.make_output(seq).outputs[0].text.rstrip())
+    assert shown == texts
+
+
+@pytest.mark.parametrize("stop, expected", [(["ell", "el"], "ell"), (["el", "ell"], "el")])
+def test_of_two_stop_strings_cutting_the_text_at_the_same_place_the_first_listed_wins(
+    stop, expected
+):
+    """Both complete with the token "ll" and both start at "e"."""
+    processor, seq = make(SamplingParams(max_tokens=10, stop=stop))
+    stop_decision = feed(processor, seq, [HE, LL])
+    assert stop_decision.stop_reason == expected
+    assert processor.make_output(seq).outputs[0].text == "h"
+
+
+@pytest.mark.parametrize("include, text", [(False, "h"), (True, "hel")])
+def test_the_stop_string_that_cuts_the_text_shortest_wins_over_one_listed_earlier(include, text):
+    """The token "ll" completes both "ll" and "el": "el" ends (and starts) first."""
+    params = SamplingParams(max_tokens=10, stop=["ll", "el"], include_stop_str_in_output=include)
+    processor, seq = make(params)
+    assert feed(processor, seq, [HE, LL]).stop_reason == "el"
+    assert processor.make_output(seq).outputs[0].text == text
+
+
+def test_a_stop_token_is_the_stop_reason_even_when_its_text_is_a_stop_string():
+    params = SamplingParams(
+        max_tokens=10, stop_token_ids=[OH], stop=["o"], include_stop_str_in_output=True
+    )
+    processor, seq = make(params)
+    stop = feed(processor, seq, [HE, LL, OH])
+    assert (stop.reason, stop.stop_reason) == (FinishReason.STOP, OH)
+    assert processor.make_output(seq).outputs[0].text == "hello"
