@@ -26,6 +26,7 @@ SURVIVED = {0}
 NOT_TESTED = {5, 33}  # no test reaches the function: a survivor too
 
 SAMPLER = "minivllm.sampler."
+REJECTION_SAMPLER = "minivllm.spec_decode.rejection_sampler."
 # name -> why no test can tell the mutant from the original (checked by hand).
 EQUIVALENT: dict[str, str] = {
     "minivllm.kv_cache_manager.x_hash_block_tokens__mutmut_8": (
@@ -66,7 +67,7 @@ EQUIVALENT: dict[str, str] = {
     SAMPLER + "x__apply_top_p__mutmut_43": 'float("-INF") is float("-inf")',
 }
 ASSERT_MESSAGE = "the text of an assert's message (shown only when an invariant is broken)"
-LAST_AXIS = "the sampler's tensors are 2-D [num_seqs, vocab_size]: axis +1 is axis -1"
+LAST_AXIS = "the (rejection) sampler's tensors are 2-D [rows, vocab_size]: axis +1 is axis -1"
 DEVICE = "device placement: only observable on a GPU, not in a CPU run"
 STRING = re.compile(r"""[rbf]*("[^"]*"|'[^']*')""")
 
@@ -74,15 +75,15 @@ STRING = re.compile(r"""[rbf]*("[^"]*"|'[^']*')""")
 def why_equivalent(name: str, diff: str) -> str | None:
     """The reason a mutant changes nothing observable, or None: the hand-checked list
     above, or one of three kinds recognised from the diff: an assert's message text, a
-    tensor created without its device (CPU either way here) and, in the sampler, axis +1
-    for -1."""
+    tensor created without its device (CPU either way here) and, in the sampler and the
+    rejection sampler, axis +1 for -1."""
     if name in EQUIVALENT:
         return EQUIVALENT[name]
     removed = " ".join(line[1:].strip() for line in diff.splitlines() if line.startswith("- "))
     added = " ".join(line[1:].strip() for line in diff.splitlines() if line.startswith("+ "))
     if removed.startswith("assert ") and STRING.sub('""', removed) == STRING.sub('""', added):
         return ASSERT_MESSAGE
-    if name.startswith(SAMPLER) and _last_axis(removed) == _last_axis(added):
+    if name.startswith((SAMPLER, REJECTION_SAMPLER)) and _last_axis(removed) == _last_axis(added):
         return LAST_AXIS
     if _no_device(removed) == _no_device(added):
         return DEVICE

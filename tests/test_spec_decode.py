@@ -72,6 +72,12 @@ def test_proposer_lookup_longer_than_the_request_and_a_single_draft():
     assert NgramProposer(3, 1, 2).propose([1, 2, 3, 1, 2], max_num_tokens=1) == [3]
     assert NgramProposer(1, 1, 2).propose([1, 2, 3, 1, 2]) == [3]
     assert NgramProposer(3, 2, 2).propose([1, 2, 3, 1, 2], max_num_tokens=None) == [3, 1, 2]
+    # The longest n-gram of [4 4 4] is [4 4], at index 0: one token follows it.
+    assert NgramProposer(2, 1, 5).propose([4, 4, 4]) == [4]
+    # prompt_lookup_min 2: the 1-gram [2] (at index 1) is never looked up.
+    assert NgramProposer(2, 2, 3).propose([1, 2, 3, 2]) == []
+    assert NgramProposer(2, 1, 3).propose([1, 2, 3, 2]) == [3, 2]
+    assert NgramProposer(2, 1, 3).propose([]) == [] and NgramProposer(2, 1, 3).propose([7]) == []
 
 
 # --- the rejection sampler -------------------------------------------------------------------
@@ -144,7 +150,7 @@ LOGITS = torch.tensor([2.0, 1.6, 1.1, 0.7, 0.2, -0.3, -0.9, -1.6])
 @pytest.mark.parametrize(
     "options",
     [dict(temperature=0.5), dict(temperature=1.3, top_k=3), dict(temperature=0.8, top_p=0.7),
-     dict(temperature=1.2, top_k=6, top_p=0.9)],
+     dict(temperature=1.2, top_k=6, top_p=0.9), dict(temperature=0.7, top_k=1)],
 )  # fmt: skip
 def test_drafts_are_verified_against_the_plain_samplers_distribution(options):
     """The rejection sampler's target distribution is temperature, then top-k, then top-p:
@@ -164,6 +170,19 @@ def test_the_rejection_sampler_verifies_greedy_drafts_against_the_argmax():
     greedy = SamplingParams(temperature=0)
     assert RejectionSampler()(logits, [5, 6, 7], greedy, None) == [5, 6, 7, 8]
     assert RejectionSampler()(logits, [5, 9, 7], greedy, None) == [5, 6]
+
+
+def test_a_seeded_verification_is_reproducible():
+    """Every random choice (accepting a draft, the recovered and the bonus token) comes from
+    the request's own generator."""
+    params = SamplingParams(temperature=1.0)
+
+    def verify(seed):
+        generator = torch.Generator().manual_seed(seed)
+        return [RejectionSampler()(PROBS.log(), [0, 2], params, generator) for _ in range(50)]
+
+    assert verify(7) == verify(7)
+    assert verify(7) != verify(8)
 
 
 def test_the_rejection_sampler_samples_from_the_filtered_distribution():
