@@ -109,6 +109,46 @@ def test_a_stop_string_completed_by_the_last_allowed_token_wins_over_length():
     assert processor.make_output(seq).outputs[0].text == "he"
 
 
+@pytest.mark.parametrize(
+    "params, last, reason",
+    [
+        (dict(stop_token_ids=[OH]), OH, (FinishReason.STOP, OH)),
+        ({}, EOS, (FinishReason.STOP, None)),
+        (dict(stop=["lo"]), OH, (FinishReason.STOP, "lo")),
+        ({}, OH, (FinishReason.LENGTH, None)),
+    ],
+    ids=["stop token id", "EOS", "stop string", "nothing else"],
+)
+def test_a_stop_at_the_last_allowed_token_is_reported_rather_than_the_length(params, last, reason):
+    processor, seq = make(SamplingParams(max_tokens=3, **params))
+    stop = feed(processor, seq, [HE, LL, last])
+    assert (stop.reason, stop.stop_reason) == reason
+
+
+def test_a_character_cut_off_at_the_end_is_shown_and_can_complete_a_stop_string():
+    """The request ends on the first byte of an emoji: a plain decode shows U+FFFD there,
+    and a stop string ending in it fires then (the text held back is searched too)."""
+    tokenizer = byte_level_tokenizer()
+    first_byte = tokenizer.convert_tokens_to_ids(tokenizer.convert_ids_to_tokens(
+        tokenizer("\U0001f600").input_ids[0])[0])  # fmt: skip
+    assert tokenizer.decode([HE, first_byte]) == "he\ufffd"
+    processor, seq = make(SamplingParams(max_tokens=2))
+    feed(processor, seq, [HE, first_byte])
+    assert processor.make_output(seq).outputs[0].text == "he\ufffd"
+    processor, seq = make(SamplingParams(max_tokens=2, stop=["e\ufffd"]))
+    stop = feed(processor, seq, [HE, first_byte])
+    assert (stop.reason, stop.stop_reason) == (FinishReason.STOP, "e\ufffd")
+    assert processor.make_output(seq).outputs[0].text == "h"
+
+
+def test_each_token_is_stamped_with_the_time_of_its_step():
+    processor, seq = make(SamplingParams(max_tokens=10))
+    processor.append_tokens(seq, [HE, LL], now=1.5)
+    processor.append_tokens(seq, [OH], now=2.5)
+    assert seq.metrics.first_token_time == 1.5
+    assert seq.metrics.token_times == [1.5, 1.5, 2.5]
+
+
 # --- what is reported -----------------------------------------------------------------------
 
 
@@ -126,6 +166,13 @@ def test_a_cumulative_output_carries_the_whole_request_each_step():
     last = processor.make_output(seq)
     assert last.finished and last.outputs[0].finish_reason == "length"
     assert (last.outputs[0].text, last.outputs[0].token_ids) == ("hell", [HE, LL])
+
+
+def test_a_cumulative_output_is_reported_even_after_a_step_without_a_token():
+    processor, seq = make(SamplingParams(max_tokens=2))
+    output = processor.make_output(seq)  # after a prefill chunk
+    assert output is not None and not output.finished
+    assert (output.outputs[0].text, output.outputs[0].token_ids) == ("", [])
 
 
 def test_final_only_reports_once_at_the_end():
