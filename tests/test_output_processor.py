@@ -13,7 +13,7 @@ import pytest
 from minivllm.output_processor import OutputProcessor
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.sequence import FinishReason, Sequence
-from tests.test_stop_strings import byte_level_tokenizer
+from tests.test_stop_strings import _split_into_bytes, byte_level_tokenizer
 
 EOS = 0  # the tokenizer's <eos>
 HE, LL, OH, SPACE, WOR, LD = 257, 282, 79, 221, 295, 281
@@ -129,8 +129,7 @@ def test_a_character_cut_off_at_the_end_is_shown_and_can_complete_a_stop_string(
     """The request ends on the first byte of an emoji: a plain decode shows U+FFFD there,
     and a stop string ending in it fires then (the text held back is searched too)."""
     tokenizer = byte_level_tokenizer()
-    first_byte = tokenizer.convert_tokens_to_ids(tokenizer.convert_ids_to_tokens(
-        tokenizer("\U0001f600").input_ids[0])[0])  # fmt: skip
+    first_byte = _split_into_bytes(tokenizer("\U0001f600").input_ids[0])[0]
     assert tokenizer.decode([HE, first_byte]) == "he\ufffd"
     processor, seq = make(SamplingParams(max_tokens=2))
     feed(processor, seq, [HE, first_byte])
