@@ -64,6 +64,8 @@ def test_proposer_tries_the_longest_ngram_first():
     """[1 2] matches at index 2 (followed by 8 1); the shorter [2] matches earlier, at index
     0 (followed by 7 1): the 2-gram wins."""
     assert NgramProposer(2, 1, 2).propose([2, 7, 1, 2, 8, 1, 2]) == [8, 1]
+    # From 3 down: [8 1 2] never occurred before, [1 2] did; [2] is not reached.
+    assert NgramProposer(2, 1, 3).propose([2, 7, 1, 2, 8, 1, 2]) == [8, 1]
 
 
 def test_proposer_lookup_longer_than_the_request_and_a_single_draft():
