@@ -176,6 +176,21 @@ def test_a_request_without_drafts_does_not_stop_the_ones_after_it():
     assert drafts_of(out) == {"c": [2, 3, 4]}
 
 
+def test_only_a_decode_can_carry_drafts():
+    prefill, decode = make_seq("p", 8), make_seq("d", 8)
+    decode.append_token(1, now=0.0)
+    decode.num_computed_tokens = 8
+    out = SchedulerOutput()
+    out.add(prefill, 8)
+    out.add(decode, 1)
+    with pytest.raises(AssertionError):
+        out.add_draft_tokens(prefill, [1, 2])
+    with pytest.raises(AssertionError):
+        out.add_draft_tokens(decode, [])
+    out.add_draft_tokens(decode, [2, 3])
+    assert out.num_scheduled_tokens == {"p": 8, "d": 3}
+
+
 def test_without_a_proposer_the_scheduler_counts_no_draft_positions():
     manager = KVCacheManager(8, block_size=4)
     plain = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)

@@ -185,3 +185,44 @@ def test_the_kv_cache_is_allocated_once_for_every_layer_keys_and_values():
     from minivllm.sampler import Sampler
 
     assert isinstance(runner.sampler, Sampler)
+
+
+def make_full_echo_runner(eos_token_ids=frozenset()) -> ModelRunner:
+    """The echo model behind the runner's own constructor (its sampler and verifier)."""
+    from types import SimpleNamespace
+
+    model = EchoModel()
+    model.config = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1)
+    return ModelRunner(model, num_kv_blocks=4, block_size=4, dtype=torch.float32,
+                       device=torch.device("cpu"), eos_token_ids=eos_token_ids)  # fmt: skip
+
+
+def decoding_seq(request_id, prompt, output_token, **params):
+    """A sequence that sampled ``output_token`` last step and now decodes it."""
+    seq = Sequence(request_id, prompt, SamplingParams(temperature=0, **params))
+    seq.append_token(output_token, now=0.0)
+    seq.num_computed_tokens = len(prompt)
+    seq.block_table = [0, 1]  # room for drafts past the first block
+    return seq
+
+
+def test_a_decode_with_drafts_is_verified_at_its_last_rows_next_to_a_plain_decode():
+    """Rows 32 33 34 99 (the real token, then drafts 33 34 99): the echo model's targets
+    are 33 34 35 100, so 33 and 34 are accepted and 35 corrects the third draft."""
+    runner = make_full_echo_runner()
+    spec, plain = decoding_seq("s", [30, 31], 32), decoding_seq("p", [60, 61], 62)
+    out = SchedulerOutput()
+    out.add(spec, 1)
+    out.add_draft_tokens(spec, [33, 34, 99])
+    out.add(plain, 1)
+    assert runner.execute_model(out).sampled_token_ids == {"s": [33, 34, 35], "p": [63]}
+
+
+def test_the_runners_sampler_bans_end_of_sequence_before_min_tokens():
+    """The echo model favours 41 after 40; 41 is EOS, and the request wants 5 tokens."""
+    runner = make_full_echo_runner(eos_token_ids=frozenset({41}))
+    out = SchedulerOutput()
+    out.add(decoding_seq("r", [39], 40, min_tokens=5), 1)
+    out.add(decoding_seq("free", [39], 40), 1)
+    result = runner.execute_model(out).sampled_token_ids
+    assert result["free"] == [41] and result["r"] != [41]
