@@ -68,7 +68,7 @@ EQUIVALENT: dict[str, str] = {
 }
 ASSERT_MESSAGE = "the text of an assert's message (shown only when an invariant is broken)"
 LAST_AXIS = "the (rejection) sampler's tensors are 2-D [rows, vocab_size]: axis +1 is axis -1"
-DEVICE = "device placement: only observable on a GPU, not in a CPU run"
+DEVICE = "device placement (device=, non_blocking=): only observable on a GPU, not on the CPU"
 STRING = re.compile(r"""[rbf]*("[^"]*"|'[^']*')""")
 
 
@@ -95,7 +95,10 @@ def _last_axis(line: str) -> str:
 
 
 def _no_device(line: str) -> str:
-    line = re.sub(r"device=[\w.]+", "", line)
+    """The line without device placement: ``device=...`` and ``non_blocking=...`` (which
+    only decides whether a host-to-GPU copy waits)."""
+    line = re.sub(r"(device|non_blocking)=[\w.]+", "", line)
+    line = re.sub(r"\(\s*,\s*", "(", line)
     return re.sub(r"[,\s]+\)", ")", line)
 
 

@@ -90,7 +90,10 @@ def test_a_mixed_batch_is_flattened_back_to_back():
     assert metadata.context_lens.tolist() == [5, 3, 3]
     assert metadata.block_tables.tolist() == [[9, 4, 1], [3, 8, 0], [5, 6, 0]]
     assert (metadata.max_query_len, metadata.max_context_len) == (3, 5)
-    assert metadata.cu_seqlens_q.dtype == metadata.context_lens.dtype == torch.int32
+    # The dtypes AttentionMetadata documents: int32 indices, int64 flat cache slots.
+    int32 = (metadata.cu_seqlens_q, metadata.context_lens, metadata.block_tables)
+    assert [t.dtype for t in int32] == [torch.int32] * 3
+    assert metadata.slot_mapping.dtype == torch.int64
 
 
 def test_padding_rows_follow_the_real_rows_in_their_members_region():

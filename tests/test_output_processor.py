@@ -278,3 +278,34 @@ def test_a_stop_token_is_the_stop_reason_even_when_its_text_is_a_stop_string():
     stop = feed(processor, seq, [HE, LL, OH])
     assert (stop.reason, stop.stop_reason) == (FinishReason.STOP, OH)
     assert processor.make_output(seq).outputs[0].text == "hello"
+
+
+def test_a_stop_string_twice_in_one_tokens_text_cuts_at_the_first():
+    processor, seq = make(SamplingParams(max_tokens=10, stop=["l"]))
+    assert feed(processor, seq, [HE, LL]).stop_reason == "l"
+    assert processor.make_output(seq).outputs[0].text == "he"
+
+
+def sentencepiece_style_tokenizer():
+    """Words with a leading "▁" (a space), decoded like SentencePiece: the space before the
+    first word of a decode is dropped. ``<s>`` is special."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "\u2581hello": 1, "\u2581world": 2, "<unk>": 3}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<s>", unk_token="<unk>")
+
+
+def test_a_special_token_left_out_of_the_text_does_not_glue_the_words_around_it():
+    """``<s>`` adds no text; the decoding window must still start at "hello", or "world"
+    would be decoded as the first word of a window and lose its space."""
+    tokenizer = sentencepiece_style_tokenizer()
+    assert tokenizer.decode([0, 2], skip_special_tokens=True) == "world"  # the trap
+    processor = OutputProcessor(tokenizer, frozenset({0}), max_model_len=100)
+    seq = Sequence("r", [1], SamplingParams(max_tokens=3, ignore_eos=True))
+    processor.add_request(seq)
+    processor.append_tokens(seq, [1, 0, 2], now=0.0)  # hello <s> world
+    assert processor.make_output(seq).outputs[0].text == "hello world"
