@@ -255,6 +255,19 @@ def test_drafts_take_only_free_blocks_and_never_preempt(num_blocks, expected):
     assert scheduler.kv_cache_manager.num_free_blocks == 0
 
 
+def test_after_a_request_preempts_itself_the_budget_left_still_caps_the_drafts():
+    """b, the newest, needs a block the full pool does not have: it is its own victim.
+    a decoded one token of the 3; the 2 left become its drafts (in b's freed blocks)."""
+    scheduler = make_scheduler(num_blocks=4, k=3)
+    a, b = make_seq("a", 7), make_seq("b", 8)
+    add(scheduler, a, b)
+    step(scheduler)
+    scheduler.max_num_batched_tokens = 3
+    out = scheduler.schedule()
+    assert out.preempted == [b] and scheduled(out) == {"a": 3}
+    assert drafts_of(out) == {"a": [1, 2]}
+
+
 def test_an_admission_takes_the_last_free_block_before_any_draft():
     scheduler = make_scheduler(num_blocks=6, k=2)
     a, b = make_seq("a", 7), make_seq("b", 9)
