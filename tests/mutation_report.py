@@ -33,11 +33,31 @@ EQUIVALENT: dict[str, str] = {
         'array("Q") for array("q"): token ids are never negative (add_request checks), and '
         "a non-negative id has the same 8 bytes signed or unsigned"
     ),
-    "minivllm.static_scheduler.x\u01c1StaticBatchScheduler\u01c1__init____mutmut_8": (
+    "minivllm.static_scheduler.x\u01c1StaticBatchScheduler\u01c1__init____mutmut_10": (
         "num_decode_steps starts at None: _start_batch sets it to 0 before anything reads it"
     ),
-    "minivllm.static_scheduler.x\u01c1StaticBatchScheduler\u01c1__init____mutmut_9": (
+    "minivllm.static_scheduler.x\u01c1StaticBatchScheduler\u01c1__init____mutmut_11": (
         "num_decode_steps starts at 1: _start_batch sets it to 0 before anything reads it"
+    ),
+    "minivllm.static_scheduler.x\u01c1StaticBatchScheduler\u01c1_add_padding__mutmut_8": (
+        "a padding chunk with sample=None for False: `sample` is only read as a condition"
+    ),
+    "minivllm.model_runner.x\u01c1ModelRunner\u01c1prepare_inputs__mutmut_46": (
+        "torch.repeat_interleave(repeats) is repeat_interleave(arange(len(repeats)), repeats)"
+    ),
+    REJECTION_SAMPLER + "x_accept_random__mutmut_10": (
+        "`u <= p` for `u < p`: differs only when the uniform draw equals p exactly, which has "
+        "probability 0 (2^-24 per draw in float32)"
+    ),
+    REJECTION_SAMPLER + "x_target_probs__mutmut_5": (
+        "top-k applied when top_k is 0: k = 0 means the whole vocabulary, keeps all"
+    ),
+    REJECTION_SAMPLER + "x_target_probs__mutmut_13": (
+        "top-p applied with p = 1 (as `top_p <= 1`): drops only tokens after a cumulative "
+        "mass of 1.0, i.e. below float32 resolution"
+    ),
+    REJECTION_SAMPLER + "x_target_probs__mutmut_14": (
+        "top-p applied with p = 1 (as `top_p < 2`): keeps every representable token"
     ),
     "minivllm.block_allocator.x\u01c1BlockAllocator\u01c1free__mutmut_8": (
         'free_block_ids[block_id] = "" for None: the free queue is an OrderedDict used as an '
@@ -148,7 +168,7 @@ def main() -> None:
             counts[module]["survived"] += 1
             survivors.append(name)
 
-    print(f"{'module':32} {'killed':>6} {'survived':>8} {'equivalent':>10} {'unchecked':>9} score")
+    print(f"{'module':38} {'killed':>6} {'survived':>8} {'equivalent':>10} {'unchecked':>9} score")
     total = Counter()
     for module, c in sorted(counts.items()):
         total += c
@@ -171,7 +191,7 @@ def _row(module: str, c: Counter) -> str:
     checked = c["killed"] + c["survived"]
     score = f"{c['killed'] / checked:.1%}" if checked else "-"
     return (
-        f"{module:32} {c['killed']:6d} {c['survived']:8d} {c['equivalent']:10d} "
+        f"{module:38} {c['killed']:6d} {c['survived']:8d} {c['equivalent']:10d} "
         f"{c['not checked']:9d} {score}"
     )
 
