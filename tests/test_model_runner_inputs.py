@@ -202,7 +202,7 @@ def make_full_echo_runner(eos_token_ids=frozenset()) -> ModelRunner:
 
 def decoding_seq(request_id, prompt, output_token, **params):
     """A sequence that sampled ``output_token`` last step and now decodes it."""
-    seq = Sequence(request_id, prompt, SamplingParams(temperature=0, **params))
+    seq = Sequence(request_id, prompt, SamplingParams(**({"temperature": 0} | params)))
     seq.append_token(output_token, now=0.0)
     seq.num_computed_tokens = len(prompt)
     seq.block_table = [0, 1]  # room for drafts past the first block
@@ -226,6 +226,23 @@ def test_the_runners_sampler_bans_end_of_sequence_before_min_tokens():
     runner = make_full_echo_runner(eos_token_ids=frozenset({41}))
     out = SchedulerOutput()
     out.add(decoding_seq("r", [39], 40, min_tokens=5), 1)
+    out.add(decoding_seq("reached", [39], 40, min_tokens=1), 1)  # its 1 output token counts
     out.add(decoding_seq("free", [39], 40), 1)
     result = runner.execute_model(out).sampled_token_ids
-    assert result["free"] == [41] and result["r"] != [41]
+    assert result["free"] == result["reached"] == [41] and result["r"] != [41]
+
+
+def test_each_seeded_request_samples_from_its_own_generator_whatever_its_batch():
+    runner = make_full_echo_runner()
+
+    def sample(seeds):
+        out = SchedulerOutput()
+        for seed in seeds:
+            seq = decoding_seq(f"r{seed}", [39], 40, temperature=1.0, seed=seed)
+            seq.generator = torch.Generator().manual_seed(seed)
+            out.add(seq, 1)
+        return runner.execute_model(out).sampled_token_ids
+
+    together = sample([1, 2, 3, 4])
+    assert together == sample([1]) | sample([2]) | sample([3]) | sample([4])
+    assert len(set(map(tuple, together.values()))) > 1  # they did sample, not argmax
