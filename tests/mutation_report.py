@@ -63,22 +63,44 @@ EQUIVALENT: dict[str, str] = {
         'free_block_ids[block_id] = "" for None: the free queue is an OrderedDict used as an '
         "ordered set, its values are never read"
     ),
-    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_14": (
-        "`temperature or 2.0`: the fallback only divides greedy rows (temperature 0), whose "
-        "sampled token is replaced by the argmax"
+    "minivllm.block_allocator.x\u01c1BlockAllocator\u01c1allocate__mutmut_7": (
+        "popitem(last=None) for last=False: None is false too, the oldest free block is taken"
     ),
-    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_18": (
+    "minivllm.kv_cache_manager.x\u01c1KVCacheManager\u01c1cache_full_blocks__mutmut_20": (
+        "range(end) for range(first, end): blocks before `first` are registered already, and "
+        "registering a block again under the hash it has changes nothing (only costs hashing)"
+    ),
+    "minivllm.detokenizer.x\u01c1Detokenizer\u01c1__init____mutmut_9": (
+        "_prefix_offset starts at None: token_ids[None:...] slices from 0, like 0, until the "
+        "first decoded text sets it"
+    ),
+    "minivllm.detokenizer.x\u01c1Detokenizer\u01c1finish__mutmut_10": (
+        "the offsets set to None in finish(): it is the request's last call (the output "
+        "processor stops the request right after), so they are never read again"
+    ),
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_17": (
+        "greedy rows divided by their own temperature (0): their sampled token is replaced "
+        "by the argmax taken before, and rows never mix"
+    ),
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_19": (
+        "greedy rows divided by 2.0 instead of 1.0: their sampled token is replaced by the "
+        "argmax taken before"
+    ),
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_23": (
         "top-k applied when every top_k is 0: k = 0 means the whole vocabulary, keeps all"
     ),
-    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_26": (
-        "top-p applied with p = 1: drops only tokens after a cumulative mass of 1.0, i.e. "
-        "below float32 resolution"
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_31": (
+        "top-p applied with p = 1 (as `top_p <= 1`): drops only tokens after a cumulative "
+        "mass of 1.0, i.e. below float32 resolution"
     ),
-    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_27": (
-        "top-p applied with p = 1 (as `top_p <= 1`): keeps every representable token"
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_32": (
+        "top-p applied with p = 1 (as `top_p < 2`): keeps every representable token"
     ),
-    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_38": (
+    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_43": (
         "min-p applied with min_p = 0: masks probabilities below 0, none"
+    ),
+    SAMPLER + "x\u01c1Sampler\u01c1_mask_stops_before_min_tokens__mutmut_21": (
+        'float("-INF") is float("-inf")'
     ),
     SAMPLER + "x__apply_top_k__mutmut_13": (
         "`0 < k <= vocab_size`: k = vocab_size keeps the whole vocabulary either way"
