@@ -9,8 +9,10 @@ per module, killed / (checked - equivalent), then every surviving mutant (``--di
 with its diff, from ``mutmut show``).
 
 Mutant names are ``module.function__mutmut_N``; the numbers shift when the function's
-source changes, so after editing a module re-check its equivalent mutants here (a stale
-entry only makes the score stricter: the mutant is then counted as a survivor again).
+source changes, so after editing a module re-check its equivalent mutants here: a stale
+number names another mutant of the same function, which is then excused by the wrong
+reason unless a test kills it (``--equivalent`` prints each name with its reason; compare
+with ``mutmut show NAME``).
 """
 
 from __future__ import annotations
