@@ -138,6 +138,11 @@ def test_a_character_cut_off_at_the_end_is_shown_and_can_complete_a_stop_string(
     stop = feed(processor, seq, [HE, first_byte])
     assert (stop.reason, stop.stop_reason) == (FinishReason.STOP, "e\ufffd")
     assert processor.make_output(seq).outputs[0].text == "h"
+    # Not before min_tokens: the text of token 2 of min_tokens 2 is never searched.
+    processor, seq = make(SamplingParams(max_tokens=2, min_tokens=2, stop=["e\ufffd"]))
+    stop = feed(processor, seq, [HE, first_byte])
+    assert (stop.reason, stop.stop_reason) == (FinishReason.LENGTH, None)
+    assert processor.make_output(seq).outputs[0].text == "he\ufffd"
 
 
 def test_each_token_is_stamped_with_the_time_of_its_step():
