@@ -42,7 +42,7 @@ class Detokenizer:
         self._num_streamed_chars = 0  # for RequestOutputKind.DELTA
         self._num_streamed_tokens = 0
 
-    def update(self, token_id: int, stopped_by_token: bool = False) -> str | None:
+    def update(self, token_id: int, stopped_by_token: bool) -> str | None:
         """Add one output token; returns the stop string it completed, if any (then
         ``output_text`` ends at it, or just after it with ``include_stop_str_in_output``).
 

@@ -128,18 +128,16 @@ class Scheduler:
         and are dropped first when the pool is tight (vLLM schedules them with the running
         request, before waiting ones; here they come last, so the pool decides simply)."""
         for seq in list(out.scheduled_seqs):
-            if budget <= 0:
-                break
             if out.is_prefill[seq.request_id] or not _may_draft(seq):
                 continue
-            # Each draft can become one more output token: stop at max_tokens and at
-            # max_model_len (the last position of a sequence is never computed).
+            # What is left of the budget; and each draft can become one more output token:
+            # stop at max_tokens and at max_model_len (its last position is never computed).
             max_drafts = min(budget, self.max_model_len - 1 - seq.num_tokens)
             if seq.sampling_params.max_tokens is not None:
                 max_drafts = min(
                     max_drafts, seq.sampling_params.max_tokens - 1 - seq.num_output_tokens
                 )
-            drafts = self.proposer.propose(seq.token_ids, max_drafts) if max_drafts > 0 else []
+            drafts = self.proposer.propose(seq.token_ids, max_drafts)  # none if max_drafts < 1
             if not drafts:
                 continue
             num_new = out.num_scheduled_tokens[seq.request_id] + len(drafts)

@@ -8,7 +8,8 @@ tiny checkpoint cost seconds each. The core's behaviour is pinned down by model-
 
 from __future__ import annotations
 
-MODEL_FIXTURES = {"tiny_model_path", "tiny_llama_path", "smollm2_path"}
+# A test needs a checkpoint when one of these is among its fixtures (or theirs).
+MODEL_FIXTURES = {"tiny_model_path", "tiny_llama_path", "smollm2_path", "bigram_llama_path"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,7 +10,9 @@ def test_allocate_all_then_free_all():
     blocks = [allocator.allocate() for _ in range(4)]
     assert sorted(blocks) == [0, 1, 2, 3]
     assert allocator.num_free_blocks == 0 and allocator.num_used_blocks == 4
-    with pytest.raises(RuntimeError, match="no free KV-cache blocks"):
+    with pytest.raises(
+        RuntimeError, match=r"^no free KV-cache blocks \(the caller must check first\)$"
+    ):
         allocator.allocate()
     for block_id in blocks:
         allocator.free(block_id)

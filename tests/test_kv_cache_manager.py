@@ -59,6 +59,20 @@ def test_allocate_slots_fits_exactly_or_refuses_taking_nothing():
     assert manager.allocator.ref_counts == [0, 0, 0]
 
 
+def test_admitting_a_sequence_that_still_holds_blocks_or_progress_is_a_bug():
+    """An admission starts from nothing: a sequence that kept blocks or computed tokens
+    (a preemption that forgot to free them) would leak or double-count them."""
+    manager = KVCacheManager(num_blocks=4, block_size=4)
+    holds_blocks = make_seq(range(8), "blocks")
+    assert manager.allocate_slots(holds_blocks, 4)
+    with pytest.raises(AssertionError):
+        manager.allocate_slots(holds_blocks, 4, [])
+    has_progress = make_seq(range(8), "progress")
+    has_progress.num_computed_tokens = 4
+    with pytest.raises(AssertionError):
+        manager.allocate_slots(has_progress, 4, [])
+
+
 def test_a_growing_sequence_is_refused_when_the_pool_is_empty():
     manager = KVCacheManager(num_blocks=2, block_size=2)
     seq = make_seq([1, 2, 3, 4])

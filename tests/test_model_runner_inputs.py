@@ -90,7 +90,10 @@ def test_a_mixed_batch_is_flattened_back_to_back():
     assert metadata.context_lens.tolist() == [5, 3, 3]
     assert metadata.block_tables.tolist() == [[9, 4, 1], [3, 8, 0], [5, 6, 0]]
     assert (metadata.max_query_len, metadata.max_context_len) == (3, 5)
-    assert metadata.cu_seqlens_q.dtype == metadata.context_lens.dtype == torch.int32
+    # The dtypes AttentionMetadata documents: int32 indices, int64 flat cache slots.
+    int32 = (metadata.cu_seqlens_q, metadata.context_lens, metadata.block_tables)
+    assert [t.dtype for t in int32] == [torch.int32] * 3
+    assert metadata.slot_mapping.dtype == torch.int64
 
 
 def test_padding_rows_follow_the_real_rows_in_their_members_region():
@@ -185,3 +188,61 @@ def test_the_kv_cache_is_allocated_once_for_every_layer_keys_and_values():
     from minivllm.sampler import Sampler
 
     assert isinstance(runner.sampler, Sampler)
+
+
+def make_full_echo_runner(eos_token_ids=frozenset()) -> ModelRunner:
+    """The echo model behind the runner's own constructor (its sampler and verifier)."""
+    from types import SimpleNamespace
+
+    model = EchoModel()
+    model.config = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1)
+    return ModelRunner(model, num_kv_blocks=4, block_size=4, dtype=torch.float32,
+                       device=torch.device("cpu"), eos_token_ids=eos_token_ids)  # fmt: skip
+
+
+def decoding_seq(request_id, prompt, output_token, **params):
+    """A sequence that sampled ``output_token`` last step and now decodes it."""
+    seq = Sequence(request_id, prompt, SamplingParams(**({"temperature": 0} | params)))
+    seq.append_token(output_token, now=0.0)
+    seq.num_computed_tokens = len(prompt)
+    seq.block_table = [0, 1]  # room for drafts past the first block
+    return seq
+
+
+def test_a_decode_with_drafts_is_verified_at_its_last_rows_next_to_a_plain_decode():
+    """Rows 32 33 34 99 (the real token, then drafts 33 34 99): the echo model's targets
+    are 33 34 35 100, so 33 and 34 are accepted and 35 corrects the third draft."""
+    runner = make_full_echo_runner()
+    spec, plain = decoding_seq("s", [30, 31], 32), decoding_seq("p", [60, 61], 62)
+    out = SchedulerOutput()
+    out.add(spec, 1)
+    out.add_draft_tokens(spec, [33, 34, 99])
+    out.add(plain, 1)
+    assert runner.execute_model(out).sampled_token_ids == {"s": [33, 34, 35], "p": [63]}
+
+
+def test_the_runners_sampler_bans_end_of_sequence_before_min_tokens():
+    """The echo model favours 41 after 40; 41 is EOS, and the request wants 5 tokens."""
+    runner = make_full_echo_runner(eos_token_ids=frozenset({41}))
+    out = SchedulerOutput()
+    out.add(decoding_seq("r", [39], 40, min_tokens=5), 1)
+    out.add(decoding_seq("reached", [39], 40, min_tokens=1), 1)  # its 1 output token counts
+    out.add(decoding_seq("free", [39], 40), 1)
+    result = runner.execute_model(out).sampled_token_ids
+    assert result["free"] == result["reached"] == [41] and result["r"] != [41]
+
+
+def test_each_seeded_request_samples_from_its_own_generator_whatever_its_batch():
+    runner = make_full_echo_runner()
+
+    def sample(seeds):
+        out = SchedulerOutput()
+        for seed in seeds:
+            seq = decoding_seq(f"r{seed}", [39], 40, temperature=1.0, seed=seed)
+            seq.generator = torch.Generator().manual_seed(seed)
+            out.add(seq, 1)
+        return runner.execute_model(out).sampled_token_ids
+
+    together = sample([1, 2, 3, 4])
+    assert together == sample([1]) | sample([2]) | sample([3]) | sample([4])
+    assert len(set(map(tuple, together.values()))) > 1  # they did sample, not argmax

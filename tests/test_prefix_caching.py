@@ -152,8 +152,10 @@ def test_a_hit_on_free_cached_blocks_counts_against_the_free_pool():
     assert (manager.prefix_cache_stats.num_queried_tokens,) == stats_before  # not admitted
 
 
-def test_prefix_caching_off_never_hashes_or_hits():
-    manager = KVCacheManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+@pytest.mark.parametrize("options", [{"enable_prefix_caching": False}, {}], ids=["off", "default"])
+def test_prefix_caching_off_never_hashes_or_hits(options):
+    """Off unless asked for."""
+    manager = KVCacheManager(num_blocks=8, block_size=2, **options)
     admit(manager, make_seq([1, 2, 3, 4, 5], "a"))
     assert manager.allocator.num_cached_blocks == 0
     assert manager.get_computed_blocks(make_seq([1, 2, 3, 4, 5], "b")) == []

@@ -178,3 +178,12 @@ def test_top_p_stops_as_soon_as_the_kept_mass_reaches_p():
     assert _apply_top_p(logits, [0.5]).isfinite().tolist() == [[True, False, False, False]]
     assert _apply_top_p(logits, [0.75]).isfinite().tolist() == [[True, True, False, False]]
     assert _apply_top_p(logits, [0.76]).isfinite().tolist() == [[True, True, True, False]]
+
+
+@pytest.mark.parametrize("stop_id", [len(LOGITS), len(LOGITS) + 100])
+def test_a_stop_token_id_outside_the_vocabulary_is_left_out_of_the_min_tokens_mask(stop_id):
+    """It can never be sampled, so there is nothing to mask (and no row to index)."""
+    params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[stop_id])
+    seq = Sequence("r", [1], params)
+    logits = torch.tensor(LOGITS, dtype=torch.float32)[None, :]
+    assert Sampler(eos_token_ids=frozenset({0}))(logits, [seq]) == [1]  # EOS 0 is masked

@@ -238,6 +238,20 @@ def test_num_cached_tokens_is_the_first_admissions_hit_and_survives_readmission(
     assert stats.num_queried_tokens == 9 + 10 + 13
 
 
+def test_the_first_admission_stamps_first_scheduled_time_and_a_readmission_keeps_it():
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    a, b = make_seq("a", 8), make_seq("b", 8)
+    add(scheduler, a, b)
+    scheduler.clock = lambda: 1.0
+    step(scheduler)
+    assert (a.metrics.first_scheduled_time, b.metrics.first_scheduled_time) == (1.0, 1.0)
+    assert step(scheduler).preempted == [b]
+    finish(scheduler, a)
+    scheduler.clock = lambda: 5.0
+    assert scheduled(step(scheduler)) == {"b": 9}
+    assert b.metrics.first_scheduled_time == 1.0
+
+
 def test_a_readmission_starts_computing_after_its_cache_hit():
     """a is preempted with two full cached blocks; readmitted, it computes only the rest."""
     scheduler = make_scheduler(num_blocks=4, block_size=2, prefix_caching=True)

@@ -9,6 +9,7 @@ machine (test_scheduler_invariants.py) runs speculative steps with random accept
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import Counter
 
@@ -21,7 +22,12 @@ from minivllm.attention.torch_backend import TorchAttentionBackend
 from minivllm.cli import build_parser, main
 from minivllm.config import SpeculativeConfig
 from minivllm.spec_decode import NgramProposer, SpecDecodingStats
-from minivllm.spec_decode.rejection_sampler import accept_greedy, accept_random
+from minivllm.spec_decode.rejection_sampler import (
+    RejectionSampler,
+    accept_greedy,
+    accept_random,
+    target_probs,
+)
 from tests.helpers import make_tiny_checkpoint
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -52,6 +58,28 @@ def test_proposer_clamps_and_gives_up():
     assert proposer.propose([1, 2, 3, 4, 5]) == []  # nothing repeats
     assert proposer.propose([1, 2]) == []  # shorter than min_n + 1
     assert proposer.propose([4, 4, 4]) == [4]  # the match may overlap the suffix
+
+
+def test_proposer_tries_the_longest_ngram_first():
+    """[1 2] matches at index 2 (followed by 8 1); the shorter [2] matches earlier, at index
+    0 (followed by 7 1): the 2-gram wins."""
+    assert NgramProposer(2, 1, 2).propose([2, 7, 1, 2, 8, 1, 2]) == [8, 1]
+    # From 3 down: [8 1 2] never occurred before, [1 2] did; [2] is not reached.
+    assert NgramProposer(2, 1, 3).propose([2, 7, 1, 2, 8, 1, 2]) == [8, 1]
+
+
+def test_proposer_lookup_longer_than_the_request_and_a_single_draft():
+    # prompt_lookup_max 5 on three tokens: only the 2-gram and the 1-gram can be looked up.
+    assert NgramProposer(2, 1, 5).propose([1, 2, 1]) == [2, 1]
+    assert NgramProposer(3, 1, 2).propose([1, 2, 3, 1, 2], max_num_tokens=1) == [3]
+    assert NgramProposer(1, 1, 2).propose([1, 2, 3, 1, 2]) == [3]
+    assert NgramProposer(3, 2, 2).propose([1, 2, 3, 1, 2], max_num_tokens=None) == [3, 1, 2]
+    # The longest n-gram of [4 4 4] is [4 4], at index 0: one token follows it.
+    assert NgramProposer(2, 1, 5).propose([4, 4, 4]) == [4]
+    # prompt_lookup_min 2: the 1-gram [2] (at index 1) is never looked up.
+    assert NgramProposer(2, 2, 3).propose([1, 2, 3, 2]) == []
+    assert NgramProposer(2, 1, 3).propose([1, 2, 3, 2]) == [3, 2]
+    assert NgramProposer(2, 1, 3).propose([]) == [] and NgramProposer(2, 1, 3).propose([7]) == []
 
 
 # --- the rejection sampler -------------------------------------------------------------------
@@ -118,6 +146,62 @@ def test_the_distribution_test_catches_a_wrong_recovery():
     assert stat > chi2_critical(df)
 
 
+LOGITS = torch.tensor([2.0, 1.6, 1.1, 0.7, 0.2, -0.3, -0.9, -1.6])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(temperature=0.5), dict(temperature=1.3, top_k=3), dict(temperature=0.8, top_p=0.7),
+     dict(temperature=1.2, top_k=6, top_p=0.9), dict(temperature=0.7, top_k=1)],
+)  # fmt: skip
+def test_drafts_are_verified_against_the_plain_samplers_distribution(options):
+    """The rejection sampler's target distribution is temperature, then top-k, then top-p:
+    the textbook definitions of test_sampler_distribution.py, on every row."""
+    from tests.test_sampler_distribution import reference_probs
+
+    rows = torch.stack([LOGITS, LOGITS.flip(0)])
+    probs = target_probs(rows, SamplingParams(**options))
+    for row, logits in zip(probs, rows):
+        expected = reference_probs(logits.double().numpy(), **options)
+        assert torch.allclose(row.double(), torch.from_numpy(expected), atol=1e-6)
+
+
+def test_the_rejection_sampler_verifies_greedy_drafts_against_the_argmax():
+    logits = torch.full((4, 10), -1.0)
+    logits[torch.arange(4), torch.tensor([5, 6, 7, 8])] = 3.0  # argmax per row: 5 6 7 8
+    greedy = SamplingParams(temperature=0)
+    assert RejectionSampler()(logits, [5, 6, 7], greedy, None) == [5, 6, 7, 8]
+    assert RejectionSampler()(logits, [5, 9, 7], greedy, None) == [5, 6]
+
+
+def test_a_seeded_verification_is_reproducible():
+    """Every random choice (accepting a draft, the recovered and the bonus token) comes from
+    the request's own generator."""
+    params = SamplingParams(temperature=1.0)
+
+    def verify(seed):
+        generator = torch.Generator().manual_seed(seed)
+        return [RejectionSampler()(PROBS.log(), [0, 2], params, generator) for _ in range(50)]
+
+    assert verify(7) == verify(7)
+    assert verify(7) != verify(8)
+
+
+def test_the_rejection_sampler_samples_from_the_filtered_distribution():
+    """top_k 2 leaves tokens 0 and 1: a draft outside them is always rejected and the
+    emitted token is always one of them; a draft of token 0 is accepted with the
+    renormalised p = 0.6 / 0.9 = 2/3 (0.6 if top-k were ignored)."""
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    params = SamplingParams(temperature=1.0, top_k=2)
+    generator = torch.Generator().manual_seed(0)
+    rejected = [RejectionSampler()(logits, [3], params, generator) for _ in range(200)]
+    assert {len(e) for e in rejected} == {1} and {e[0] for e in rejected} == {0, 1}
+    accepted = [RejectionSampler()(logits, [0], params, generator) for _ in range(2000)]
+    num_accepted = sum(len(e) == 2 for e in accepted)
+    assert 1270 < num_accepted < 1400  # 1333 expected, standard deviation 21; seeded
+    assert {e[1] for e in accepted if len(e) == 2} == {0, 1}  # the bonus: top-k 2 too
+
+
 def test_metrics_follow_vllms_definitions():
     stats = SpecDecodingStats(num_spec_tokens=3)
     stats.observe_draft(3, 3)
@@ -128,6 +212,46 @@ def test_metrics_follow_vllms_definitions():
     assert stats.mean_acceptance_length == pytest.approx(1 + 4 / 3)
     assert stats.acceptance_rate_per_pos == pytest.approx([2 / 3, 1 / 3, 1 / 3])
     assert "Mean acceptance length: 2.33" in stats.log_line()
+
+
+def test_metrics_before_any_draft_are_zero_not_a_division_error():
+    stats = SpecDecodingStats(num_spec_tokens=2)
+    assert stats.as_dict() == {
+        "spec_decode_num_drafts": 0,
+        "spec_decode_num_draft_tokens": 0,
+        "spec_decode_num_accepted_tokens": 0,
+        "spec_decode_num_accepted_tokens_per_pos": [0, 0],
+        "spec_decode_acceptance_rate": 0.0,
+        "spec_decode_mean_acceptance_length": 0.0,
+        "spec_decode_acceptance_rate_per_pos": [0.0, 0.0],
+    }
+
+
+def test_metrics_since_a_snapshot_count_only_what_came_after():
+    """As after a warm-up: the difference of two snapshots, counter by counter."""
+    stats = SpecDecodingStats(num_spec_tokens=3)
+    stats.observe_draft(3, 2)
+    warm = copy.deepcopy(stats)
+    stats.observe_draft(3, 3)
+    stats.observe_draft(1, 0)
+    since = stats - warm
+    assert since == SpecDecodingStats(3, num_drafts=2, num_draft_tokens=4,
+                                      num_accepted_tokens=3,
+                                      num_accepted_tokens_per_pos=[1, 1, 1])  # fmt: skip
+    assert since.as_dict()["spec_decode_num_accepted_tokens_per_pos"] == [1, 1, 1]
+    assert since.log_line() == (
+        "SpecDecoding metrics: Mean acceptance length: 2.50, Accepted: 3 tokens, "
+        "Drafted: 4 tokens, Per-position acceptance rate: 0.500, 0.500, 0.500, "
+        "Avg Draft acceptance rate: 75.0%"
+    )
+
+
+@pytest.mark.parametrize("drafted, accepted", [(2, 3), (4, 4), (1, -1)])
+def test_metrics_refuse_an_impossible_observation(drafted, accepted):
+    """More accepted than drafted, more drafts than k, or a negative count: a bug in the
+    caller, caught where it happens."""
+    with pytest.raises(AssertionError):
+        SpecDecodingStats(num_spec_tokens=3).observe_draft(drafted, accepted)
 
 
 # --- configuration ---------------------------------------------------------------------------

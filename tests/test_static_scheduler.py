@@ -70,6 +70,19 @@ def test_the_first_step_prefills_every_prompt_padded_to_the_longest():
     assert scheduler.num_batches == 1 and scheduler.num_preemptions == 0
 
 
+def test_padding_goes_to_the_padded_members_own_region_and_the_longest_gets_none():
+    scheduler = make_scheduler()
+    a, b, c = make_seq("a", 5), make_seq("b", 2), make_seq("c", 3)
+    for seq in (a, b, c):
+        scheduler.add_request(seq)
+    scheduler.clock = lambda: 3.0
+    out = step(scheduler)
+    assert [chunk.request_id for chunk in out.chunks] == ["a", "b", "b", "c", "c"]
+    tables = [chunk.block_table for chunk in out.chunks]
+    assert tables == [a.block_table, b.block_table, b.block_table, c.block_table, c.block_table]
+    assert [s.metrics.first_scheduled_time for s in (a, b, c)] == [3.0, 3.0, 3.0]
+
+
 def test_every_member_reserves_a_whole_max_model_len_region():
     scheduler = make_scheduler(num_blocks=10, block_size=4, max_model_len=16)
     assert scheduler.blocks_per_request == 4

@@ -31,9 +31,10 @@ class NgramProposer:
         (the 3-gram ``[4, 2, 3]`` never occurred before; the 2-gram ``[2, 3]`` did, at
         index 1, and only three tokens follow it)."""
         k = self.k if max_num_tokens is None else min(self.k, max_num_tokens)
-        if k < 1 or len(token_ids) <= self.min_n:
+        if k < 1:
             return []
         tokens = np.asarray(token_ids)
+        # An n-gram needs an earlier occurrence, so n < len(tokens): none if len <= min_n.
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             start = self._earliest_match(tokens, n)
             if start is not None:
