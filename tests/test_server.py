@@ -280,6 +280,11 @@ def test_disconnected_clients_are_aborted(server):
         ) as reply:
             lines = reply.iter_lines()
             assert next(lines).startswith("data: ")
+    # A stream whose client hangs up on the headers, before reading any event.
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=body | {"stream": True}, timeout=60
+    ) as reply:
+        assert reply.status_code == 200
     # A plain request whose client gives up waiting.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.2)
@@ -290,11 +295,11 @@ def test_disconnected_clients_are_aborted(server):
     assert _metric(after, "vllm:num_requests_running") == 0
     assert _metric(after, "vllm:kv_cache_usage_perc") == 0
     aborted = _metric(after, "vllm:request_success_total", finished_reason="abort")
-    assert aborted - aborted_before == 4
-    # 4 x 500 tokens were not generated: they stopped when their clients left.
+    assert aborted - aborted_before == 5
+    # 5 x 500 tokens were not generated: they stopped when their clients left.
     assert (
         _metric(after, "vllm:generation_tokens_total")
-        < _metric(before, "vllm:generation_tokens_total") + 4 * 200
+        < _metric(before, "vllm:generation_tokens_total") + 5 * 200
     )
 
 
