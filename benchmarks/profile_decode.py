@@ -31,7 +31,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).parent))
-from roofline import BLOCK_SIZE, build_step, load_smollm2  # noqa: E402
+from roofline import (  # noqa: E402
+    BLOCK_SIZE,
+    build_step,
+    decode_contexts,
+    empty_kv_caches,
+    kv_blocks_for,
+    load_smollm2,
+)
 
 
 def wrap_attention(backend) -> None:
@@ -46,15 +53,9 @@ def wrap_attention(backend) -> None:
 
 
 def profile_decode(model, batch: int, steps: int, top: int) -> None:
-    import random
-
-    config = model.config
-    rng = random.Random(0)
-    contexts = [rng.randint(100, 500) for _ in range(batch)]
-    num_blocks = sum(-(-c // BLOCK_SIZE) for c in contexts) + 16
-    kv_caches = torch.zeros(
-        config.num_layers, 2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim
-    )
+    contexts = decode_contexts(batch)
+    num_blocks = kv_blocks_for(contexts, spare_blocks=16)
+    kv_caches = empty_kv_caches(model.config, num_blocks)
     input_ids, positions, metadata = build_step([1] * batch, contexts, num_blocks)
     last_rows = (metadata.cu_seqlens_q[1:] - 1).long()
 
@@ -84,16 +85,14 @@ def profile_decode(model, batch: int, steps: int, top: int) -> None:
 
 def time_numba_launch(batches: list[int], repeats: int = 200) -> None:
     """Best-of-``repeats`` ms of the serial and the parallel numba kernel, SmolLM2 shapes."""
-    import random
 
     import numba
     import numpy as np
     from minivllm_kernels.numba_cpu import paged_attention_kernel, paged_attention_kernel_serial
 
     num_heads, num_kv_heads, head_dim = 9, 3, 64
-    rng = random.Random(0)
-    contexts = [rng.randint(100, 500) for _ in range(max(batches))]
-    num_blocks = sum(-(-c // BLOCK_SIZE) for c in contexts) + 16
+    contexts = decode_contexts(max(batches))
+    num_blocks = kv_blocks_for(contexts, spare_blocks=16)
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     key_cache, value_cache = torch.randn(shape).numpy(), torch.randn(shape).numpy()
     print(f"{'decode':<16} {'serial ms':>10} {'parallel ms':>12}  (best of {repeats})")

@@ -192,18 +192,33 @@ def step_bytes(model: CausalLM, query_lens: list[int], context_lens: list[int]) 
     return weights + kv_per_token * (sum(context_lens) + sum(query_lens))
 
 
+def decode_contexts(num_seqs: int) -> list[int]:
+    """The decode steps' context lengths, uniform in 100-500 (seed 0): the first ``n`` are
+    the same for every ``num_seqs >= n``."""
+    rng = random.Random(0)
+    return [rng.randint(100, 500) for _ in range(num_seqs)]
+
+
+def kv_blocks_for(contexts: list[int], spare_blocks: int) -> int:
+    """Blocks holding ``contexts``, plus spare ones `build_step` also spreads them over."""
+    return sum(-(-c // BLOCK_SIZE) for c in contexts) + spare_blocks
+
+
+def empty_kv_caches(config: ModelConfig, num_blocks: int) -> torch.Tensor:
+    """``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` of zeros."""
+    return torch.zeros(
+        config.num_layers, 2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim
+    )
+
+
 def run_steps(model: CausalLM, repeats: int, variants: list) -> list[list[StepResult]]:
     """One list of results per variant, each: prefill, then decode at each batch size."""
     config = model.config
-    rng = random.Random(0)
-    decode_contexts = [rng.randint(100, 500) for _ in range(max(DECODE_BATCHES))]
+    contexts = decode_contexts(max(DECODE_BATCHES))
     cases = [("prefill 512 tokens", list(PREFILL_PROMPTS), list(PREFILL_PROMPTS))]
     for batch in DECODE_BATCHES:
-        cases.append((f"decode {batch} seqs", [1] * batch, decode_contexts[:batch]))
-    num_blocks = sum(-(-c // BLOCK_SIZE) for c in decode_contexts) + 64
-    kv_caches = torch.zeros(
-        config.num_layers, 2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim
-    )
+        cases.append((f"decode {batch} seqs", [1] * batch, contexts[:batch]))
+    kv_caches = empty_kv_caches(config, kv_blocks_for(contexts, spare_blocks=64))
     results = [[] for _ in variants]
     for name, query_lens, context_lens in cases:
         times = time_step(model, kv_caches, query_lens, context_lens, repeats, variants)

@@ -23,7 +23,6 @@ layers is its own graph, and one token or several are two graphs (0/1 specialisa
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,13 @@ import torch._dynamo
 import torch._inductor.config as inductor_config
 
 sys.path.insert(0, str(Path(__file__).parent))
-from roofline import BLOCK_SIZE, build_step, load_smollm2  # noqa: E402
+from roofline import (  # noqa: E402
+    build_step,
+    decode_contexts,
+    empty_kv_caches,
+    kv_blocks_for,
+    load_smollm2,
+)
 
 
 def best_step_seconds(forward, kv_caches, batch, contexts, repeats) -> float:
@@ -84,13 +89,8 @@ def main() -> None:
     model = load_smollm2("numba-cpu")
     backend = model.layers[0].self_attn.backend  # one backend object, shared by the layers
     backend.forward = torch.compiler.disable(backend.forward)
-    config = model.config
-    rng = random.Random(0)
-    contexts = [rng.randint(100, 500) for _ in range(max(args.batches))]
-    num_blocks = sum(-(-c // BLOCK_SIZE) for c in contexts) + 64
-    kv_caches = torch.zeros(
-        config.num_layers, 2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim
-    )
+    contexts = decode_contexts(max(args.batches))
+    kv_caches = empty_kv_caches(model.config, kv_blocks_for(contexts, spare_blocks=64))
 
     def time_all(forward) -> list[float]:
         return [
