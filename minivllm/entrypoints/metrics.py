@@ -31,18 +31,9 @@ class ServerMetrics:
 
     def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        labels = {"model_name": model_name, "engine": "0"}
-        names = list(labels)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=self.registry).labels(**labels)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, names, registry=self.registry).labels(**labels)
-
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            metric = Histogram(name, doc, names, buckets=buckets, registry=self.registry)
-            return metric.labels(**labels)
+        self._labels = {"model_name": model_name, "engine": "0"}
+        gauge, counter = self._labelled(Gauge), self._labelled(Counter)
+        histogram = self._labelled(Histogram)
 
         self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
@@ -56,27 +47,25 @@ class ServerMetrics:
         self.prefix_hits = counter(
             "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
-        success = Counter(
-            "vllm:request_success",
-            "Finished requests, by finish reason.",
-            [*names, "finished_reason"],
-            registry=self.registry,
-        )
-        self.request_success = {
-            r: success.labels(**labels, finished_reason=r) for r in FINISH_REASONS
-        }
+        success = self._counters_by(
+            "vllm:request_success", "Finished requests, by finish reason.",
+            "finished_reason", FINISH_REASONS,
+        )  # fmt: skip
+        self.request_success = dict(zip(FINISH_REASONS, success))
         self.ttft = histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+            "vllm:time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS
         )
         self.itl = histogram(
-            "vllm:inter_token_latency_seconds", "Time between two output tokens.", ITL_BUCKETS
+            "vllm:inter_token_latency_seconds",
+            "Time between two output tokens.",
+            buckets=ITL_BUCKETS,
         )
         self.e2e = histogram(
-            "vllm:e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS
+            "vllm:e2e_request_latency_seconds", "Arrival to last token.", buckets=E2E_BUCKETS
         )
         self._spec_seen = copy.deepcopy(async_llm.engine.spec_decoding_stats)
         if self._spec_seen is not None:  # speculative decoding is on
-            self._make_spec_decode_counters(names, labels)
+            self._make_spec_decode_counters()
         self._num_kv_blocks: int = async_llm.engine.num_kv_blocks
         self._prefix_seen = (0, 0)  # (queries, hits) already counted
         self._engine = async_llm.engine
@@ -141,10 +130,23 @@ class ServerMetrics:
         self.prefix_hits.inc(hits - seen_hits)
         self._prefix_seen = (queries, hits)
 
-    def _make_spec_decode_counters(self, names: list[str], labels: dict) -> None:
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, names, registry=self.registry).labels(**labels)
+    def _labelled(self, kind):
+        """A maker of ``kind`` (Gauge, Counter, Histogram) metrics in this registry, with
+        the server's labels filled in: ``make(name, doc, **options)``."""
 
+        def make(name: str, doc: str, **options):
+            metric = kind(name, doc, list(self._labels), registry=self.registry, **options)
+            return metric.labels(**self._labels)
+
+        return make
+
+    def _counters_by(self, name: str, doc: str, label: str, values) -> list[Counter]:
+        """One counter with an extra label, as one child per value (in order)."""
+        counter = Counter(name, doc, [*self._labels, label], registry=self.registry)
+        return [counter.labels(**self._labels, **{label: value}) for value in values]
+
+    def _make_spec_decode_counters(self) -> None:
+        counter = self._labelled(Counter)
         self.spec_drafts = counter(
             "vllm:spec_decode_num_drafts", "Verifications: requests that had drafts, per step."
         )
@@ -154,16 +156,12 @@ class ServerMetrics:
         self.spec_accepted_tokens = counter(
             "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted."
         )
-        per_pos = Counter(
+        self.spec_accepted_per_pos = self._counters_by(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Accepted draft tokens, by position in the draft.",
-            [*names, "position"],
-            registry=self.registry,
+            "position",
+            [str(i) for i in range(self._spec_seen.num_spec_tokens)],
         )
-        self.spec_accepted_per_pos = [
-            per_pos.labels(**labels, position=str(i))
-            for i in range(self._spec_seen.num_spec_tokens)
-        ]
 
     def _count_spec_decode(self) -> None:
         stats = self._engine.spec_decoding_stats
