@@ -4,6 +4,7 @@
     python benchmarks/profile_decode.py --numba-launch   # serial vs parallel numba kernel
     python benchmarks/profile_decode.py --gemm           # F.linear vs oneDNN-prepacked
     python benchmarks/profile_decode.py --engine         # LLM.generate, both ways in turn
+    python benchmarks/profile_decode.py --parts          # attention vs projections vs rest
 
 Builds the same decode steps as ``benchmarks/roofline.py`` (contexts uniform in 100-500,
 seed 0) and profiles a few of them. For each batch size it prints the step's wall time
@@ -18,6 +19,11 @@ weight shapes with as many rows as sequences: ``F.linear`` on the row-major weig
 the oneDNN-prepacked weight `minivllm.models.linear.Linear` uses. ``--engine`` runs
 `LLM.generate` on 16 seeded prompts (16-300 tokens, 24 greedy output tokens each), in turn
 as is and with roofline.py's `unoptimized` switches, twice each, in one process.
+``--parts`` splits a decode step without the profiler's overhead: it times the step
+(roofline.py's ``time_step``) as is, with the attention backend returning its query
+unchanged, and with every projection but ``lm_head`` returning zeros; the differences are
+attention's and the projections' share, and what is left with both stubbed is the rest
+(``lm_head``, norms, RoPE, the KV write, the argmax, Python).
 """
 
 from __future__ import annotations
@@ -163,6 +169,61 @@ def time_engine(rounds: int = 2) -> None:
     print(f"greedy tokens identical both ways: {same}")
 
 
+def time_parts(model, batches: list[int], repeats: int = 5) -> None:
+    """ms per decode step: whole, attention, projections (without lm_head), the rest."""
+    from contextlib import contextmanager
+
+    from roofline import as_is, step_bytes, time_step
+
+    from minivllm.models.linear import Linear
+
+    backend = model.layers[0].self_attn.backend  # one object, shared by every layer
+    projections = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+
+    @contextmanager
+    def without_attention():
+        backend.forward = lambda query, key_cache, value_cache, metadata, scale: query
+        try:
+            yield
+        finally:
+            del backend.forward  # back to the class's method
+
+    @contextmanager
+    def without_projections():
+        for m in projections:
+            m.forward = lambda x, m=m: x.new_zeros(x.shape[0], m.out_features)
+        try:
+            yield
+        finally:
+            for m in projections:
+                del m.forward
+
+    @contextmanager
+    def without_both():
+        with without_attention(), without_projections():
+            yield
+
+    contexts = decode_contexts(max(batches))
+    kv_caches = empty_kv_caches(model.config, kv_blocks_for(contexts, spare_blocks=64))
+    variants = [as_is, without_attention, without_projections, without_both]
+    weights = step_bytes(model, [], [])
+    print(f"{'decode':<10} {'step ms':>8} {'attention':>10} {'KV GB/s':>8} "
+          f"{'projections':>12} {'rest':>6}")  # fmt: skip
+    for batch in batches:
+        # Best of three rounds: this machine's speed drifts over seconds, and each part is
+        # a difference of two timings.
+        rounds = [
+            time_step(model, kv_caches, [1] * batch, contexts[:batch], repeats, variants)
+            for _ in range(3)
+        ]
+        whole, no_attention, no_projections, rest = map(min, zip(*rounds))
+        attention = whole - no_attention
+        kv_bytes = step_bytes(model, [0] * batch, contexts[:batch]) - weights
+        print(f"{batch:>3} seqs   {whole * 1e3:8.1f} {attention * 1e3:10.1f} "
+              f"{kv_bytes / attention / 1e9:8.1f} {(whole - no_projections) * 1e3:12.1f} "
+              f"{rest * 1e3:6.1f}")  # fmt: skip
+
+
 def _best_ms(kernel, args: tuple, repeats: int) -> float:
     kernel(*args)  # compile / warm up
     best = float("inf")
@@ -182,6 +243,7 @@ def main() -> None:
     parser.add_argument("--numba-launch", action="store_true", help="see the module doc")
     parser.add_argument("--gemm", action="store_true", help="see the module doc")
     parser.add_argument("--engine", action="store_true", help="see the module doc")
+    parser.add_argument("--parts", action="store_true", help="see the module doc")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -196,6 +258,9 @@ def main() -> None:
         time_numba_launch(args.batches)
         return
     model = load_smollm2(args.attention_backend)
+    if args.parts:
+        time_parts(model, args.batches)
+        return
     wrap_attention(model.layers[0].self_attn.backend)
     for batch in args.batches:
         profile_decode(model, batch, args.steps, args.top)
