@@ -1,7 +1,7 @@
 """Each kind of model step against this machine's limits (a roofline).
 
     python benchmarks/roofline.py [--attention-backend auto] [--plot docs/assets/roofline.png]
-                                  [--baseline] [--repeats 5] [--threads N]
+                                  [--baseline] [--repeats 15] [--threads N]
 
 Measures, on the spot, the fp32 matmul peak (GFLOP/s) and how fast the machine reads
 memory (GB/s). Then it loads SmolLM2-135M and times model steps built directly (no
@@ -19,15 +19,19 @@ new keys and values written), and reports the time against
 the roofline: attainable GFLOP/s against arithmetic intensity (FLOPs per byte).
 
 ``--baseline`` also times every step with the decode-speed work switched off where it can
-be (see `unoptimized`), each variant's steps back to back. Compare ratios from one run:
-on the idle development box, 9 runs put decode of one sequence anywhere from 1.60x to
-2.71x of its limit.
+be (see `unoptimized`), each variant's steps back to back. A step's time / limit uses the
+best of ``--repeats`` timed steps (the median is printed next to it): on the development
+VM the read speed of one thread drifted between 23 and 32 GB/s from one second to the
+next (other tenants' memory traffic), and a memory-bound step drifts with it. Compare
+ratios from one run: with 5 repeats, 9 runs on the idle box put decode of one sequence
+anywhere from 1.60x to 2.71x of its limit.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from contextlib import contextmanager
@@ -50,7 +54,8 @@ DECODE_BATCHES = (1, 4, 16, 32)
 @dataclass
 class StepResult:
     name: str
-    seconds: float
+    seconds: float  # the best timed step
+    median_seconds: float
     flops: int
     num_bytes: int
 
@@ -118,27 +123,27 @@ def time_step(
     context_lens: list[int],
     repeats: int,
     variants: list,
-) -> list[float]:
-    """Best seconds of forward + logits of each sequence's last row + argmax, for each of
-    ``variants`` (context managers that switch the model into a mode). Each variant runs
+) -> list[list[float]]:
+    """Seconds of each of ``repeats`` steps (forward + logits of each sequence's last row +
+    argmax), for each of ``variants`` (context managers that switch the model into a
+    mode), after one warm-up step. Each variant runs
     its steps back to back: taking turns step by step slowed the optimized decode steps by
     up to 1.3x on an idle machine (the baseline leaves the caches full of the other weight
-    copy and numba's worker threads awake). The best, not the median: on a shared machine
-    the slow steps measure the other processes."""
+    copy and numba's worker threads awake). Callers take the best: on a shared machine the
+    slow steps measure the other processes."""
     input_ids, positions, metadata = build_step(query_lens, context_lens, kv_caches.shape[2])
     last_rows = (metadata.cu_seqlens_q[1:] - 1).long()
-    best = [float("inf")] * len(variants)
+    samples = [[] for _ in variants]
     with torch.inference_mode():
-        for i, variant in enumerate(variants):
+        for variant, seconds in zip(variants, samples):
             with variant():
                 for repeat in range(repeats + 1):  # the first one warms up
                     start = time.perf_counter()
                     hidden = model(input_ids, positions, kv_caches, metadata)
                     model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()
-                    seconds = time.perf_counter() - start
                     if repeat > 0:
-                        best[i] = min(best[i], seconds)
-    return best
+                        seconds.append(time.perf_counter() - start)
+    return samples
 
 
 @contextmanager
@@ -222,26 +227,32 @@ def run_steps(model: CausalLM, repeats: int, variants: list) -> list[list[StepRe
     kv_caches = empty_kv_caches(config, kv_blocks_for(contexts, spare_blocks=64))
     results = [[] for _ in variants]
     for name, query_lens, context_lens in cases:
-        times = time_step(model, kv_caches, query_lens, context_lens, repeats, variants)
+        samples = time_step(model, kv_caches, query_lens, context_lens, repeats, variants)
         flops = step_flops(config, query_lens, context_lens)
         num_bytes = step_bytes(model, query_lens, context_lens)
-        for variant_results, seconds in zip(results, times):
-            variant_results.append(StepResult(name, seconds, flops, num_bytes))
+        for variant_results, seconds in zip(results, samples):
+            variant_results.append(
+                StepResult(name, min(seconds), statistics.median(seconds), flops, num_bytes)
+            )
     return results
 
 
 def print_table(results: list[StepResult], peak: float, bandwidth: float) -> None:
     print(
-        f"{'step':<20} {'ms':>8} {'GFLOP':>7} {'MB':>6} {'GFLOP/s':>8} {'GB/s':>6} "
-        f"{'limit ms':>9} {'bound':>7} {'time/limit':>10}"
+        f"{'step':<20} {'ms':>8} {'median':>7} {'GFLOP':>7} {'MB':>6} {'GFLOP/s':>8} "
+        f"{'GB/s':>6} {'compute ms':>10} {'memory ms':>9} {'bound':>7} {'time/limit':>10}"
     )
     for r in results:
-        limit = r.limit(peak, bandwidth)
-        bound = "compute" if r.flops / peak >= r.num_bytes / bandwidth else "memory"
+        # The limit is the larger of the two; near the ridge (both alike) it assumes the
+        # step overlaps all its arithmetic with all its memory traffic.
+        compute, memory = r.flops / peak, r.num_bytes / bandwidth
+        bound = "compute" if compute >= memory else "memory"
         print(
-            f"{r.name:<20} {r.seconds * 1e3:8.1f} {r.flops / 1e9:7.2f} {r.num_bytes / 1e6:6.0f} "
+            f"{r.name:<20} {r.seconds * 1e3:8.1f} {r.median_seconds * 1e3:7.1f} "
+            f"{r.flops / 1e9:7.2f} {r.num_bytes / 1e6:6.0f} "
             f"{r.flops / r.seconds / 1e9:8.1f} {r.num_bytes / r.seconds / 1e9:6.1f} "
-            f"{limit * 1e3:9.1f} {bound:>7} {r.seconds / limit:9.2f}x"
+            f"{compute * 1e3:10.1f} {memory * 1e3:9.1f} {bound:>7} "
+            f"{r.seconds / r.limit(peak, bandwidth):9.2f}x"
         )
 
 
@@ -297,7 +308,7 @@ def load_smollm2(attention_backend: str) -> CausalLM:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per case")
+    parser.add_argument("--repeats", type=int, default=15, help="timed steps per case")
     parser.add_argument("--plot", help="write the roofline plot (PNG) here")
     parser.add_argument(
         "--threads", type=int, help="torch threads (default: torch's); the limits use the same"

@@ -26,7 +26,10 @@ import torch
 try:
     import numba
     import numpy as np
-    from numba import njit, prange
+    from llvmlite import ir
+    from numba import njit, prange, types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
 except ImportError as error:  # tests/test_attention_registry.py hides numba to check this
     raise ImportError(
         "the numba attention backends need numba: pip install minivllm[kernels]"
@@ -161,8 +164,19 @@ def _attend_to_context(
     """
     block_size, head_dim = key_cache.shape[1], key_cache.shape[3]
     group_size = weighted_sum.shape[0]
-    for block_index in range((num_keys + block_size - 1) // block_size):
+    keys_flat, values_flat = key_cache.reshape(-1), value_cache.reshape(-1)
+    block_stride = keys_flat.shape[0] // key_cache.shape[0]  # floats per cache block
+    num_blocks = (num_keys + block_size - 1) // block_size
+    for block_index in range(num_blocks):
         block = block_table[block_index]
+        if kv_head == 0 and block_index + 1 < num_blocks:
+            # The next block can sit anywhere in the cache, so the CPU's own prefetcher
+            # cannot guess it; the block table knows. Ask for all of it (every kv head: this
+            # row's other kv heads come next) while this one is computed.
+            next_block = block_table[block_index + 1] * block_stride
+            for index in range(next_block, next_block + block_stride, _FLOATS_PER_LINE):
+                _prefetch(keys_flat, index)
+                _prefetch(values_flat, index)
         keys_in_block = min(block_size, num_keys - block_index * block_size)
         for member in range(group_size):
             q = query_row[kv_head * group_size + member]
@@ -178,16 +192,43 @@ def _attend_to_context(
             # Rescale what was summed under the old max to the new one.
             correction = np.exp(running_max[member] - block_max)
             running_max[member] = block_max
-            denominator[member] *= correction
             acc = weighted_sum[member]
             for d in range(head_dim):
                 acc[d] *= correction
+            block_sum = np.float32(0.0)
             for offset in range(keys_in_block):
                 weight = np.exp(scores[offset] - block_max)
-                denominator[member] += weight
+                block_sum += weight
                 v = value_cache[block, offset, kv_head]
                 for d in range(head_dim):
                     acc[d] += weight * v[d]
+            denominator[member] = denominator[member] * correction + block_sum
+
+
+_FLOATS_PER_LINE = 16  # a 64-byte cache line of float32
+
+
+@intrinsic
+def _prefetch(typingctx, array, index):
+    """``array[index]``'s cache line, requested without waiting for it: LLVM's prefetch
+    (a hint; where a CPU has no such instruction it compiles to nothing)."""
+
+    def codegen(context, builder, signature, args):
+        data, position = args
+        pointer = builder.gep(context.make_array(signature.args[0])(context, builder, data).data,
+                              [position])  # fmt: skip
+        byte_pointer = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        prefetch = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]),
+            "llvm.prefetch.p0i8",
+        )
+        # read (0), keep in all cache levels (locality 3), data not instructions (1)
+        builder.call(prefetch, [builder.bitcast(pointer, byte_pointer), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(array, index), codegen
 
 
 # Below this much work per call (query rows x longest context x heads x head_dim, an upper
