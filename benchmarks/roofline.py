@@ -21,10 +21,10 @@ the roofline: attainable GFLOP/s against arithmetic intensity (FLOPs per byte).
 ``--baseline`` also times every step with the decode-speed work switched off where it can
 be (see `unoptimized`), each variant's steps back to back. A step's time / limit uses the
 best of ``--repeats`` timed steps (the median is printed next to it): on the development
-VM the read speed of one thread drifted between 23 and 32 GB/s from one second to the
-next (other tenants' memory traffic), and a memory-bound step drifts with it. Compare
-ratios from one run: with 5 repeats, 9 runs on the idle box put decode of one sequence
-anywhere from 1.60x to 2.71x of its limit.
+VM the read speed moves with other tenants' memory traffic (the best measured in five runs
+within four minutes ranged from 31.2 to 35.8 GB/s), and a memory-bound step moves with
+it. Compare ratios from one run: 9 runs of 5 repeats on the idle box put decode of one
+sequence anywhere from 1.60x to 2.71x of its limit.
 """
 
 from __future__ import annotations
