@@ -4,6 +4,9 @@ The kernel reads keys and values straight out of the paged cache through the blo
 (no gather copy) and keeps a running softmax (max, denominator, weighted sum of values)
 per query head, so it never materialises a ``[query_len, context_len]`` score matrix.
 
+While it computes one cache block it prefetches the next one from the block table: blocks
+sit anywhere in the cache, where the CPU's own prefetcher cannot follow.
+
 Work is split into (query row, kv head) items: one item computes every query head of a
 GQA group, so a key/value vector loaded from memory is reused ``num_heads // num_kv_heads``
 times. Items are dealt round-robin to numba's threads, so a causal prefill (whose later
@@ -44,6 +47,7 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 # Stands in for -inf as the running max before the first key: fastmath lets LLVM assume
 # no infinities, and exp(_NO_SCORE - score) is still exactly 0.
 _NO_SCORE = np.float32(-3.0e38)
+_FLOATS_PER_LINE = 16  # a 64-byte cache line of float32: one prefetch each
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -205,9 +209,6 @@ def _attend_to_context(
             denominator[member] = denominator[member] * correction + block_sum
 
 
-_FLOATS_PER_LINE = 16  # a 64-byte cache line of float32
-
-
 @intrinsic
 def _prefetch(typingctx, array, index):
     """``array[index]``'s cache line, requested without waiting for it: LLVM's prefetch
@@ -215,8 +216,8 @@ def _prefetch(typingctx, array, index):
 
     def codegen(context, builder, signature, args):
         data, position = args
-        pointer = builder.gep(context.make_array(signature.args[0])(context, builder, data).data,
-                              [position])  # fmt: skip
+        array_struct = context.make_array(signature.args[0])(context, builder, data)
+        pointer = builder.gep(array_struct.data, [position])
         byte_pointer = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         prefetch = cgutils.get_or_insert_function(
