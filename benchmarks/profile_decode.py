@@ -213,12 +213,13 @@ def time_parts(model, batches: list[int], repeats: int = 5) -> None:
         # Best of three rounds: this machine's speed drifts over seconds, and each part is
         # a difference of two timings.
         rounds = [
-            [min(samples) for samples in time_step(
-                model, kv_caches, [1] * batch, contexts[:batch], repeats, variants
-            )]
+            time_step(model, kv_caches, [1] * batch, contexts[:batch], repeats, variants)
             for _ in range(3)
-        ]  # fmt: skip
-        whole, no_attention, no_projections, rest = map(min, zip(*rounds))
+        ]
+        # Per variant, its best step over all rounds.
+        whole, no_attention, no_projections, rest = (
+            min(map(min, samples)) for samples in zip(*rounds)
+        )
         attention = whole - no_attention
         kv_bytes = step_bytes(model, [0] * batch, contexts[:batch]) - weights
         print(f"{batch:>3} seqs   {whole * 1e3:8.1f} {attention * 1e3:10.1f} "

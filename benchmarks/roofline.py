@@ -59,9 +59,6 @@ class StepResult:
     flops: int
     num_bytes: int
 
-    def limit(self, peak_flops: float, read_bytes_per_s: float) -> float:
-        return max(self.flops / peak_flops, self.num_bytes / read_bytes_per_s)
-
 
 def measure_matmul_peak(size: int = 1024, repeats: int = 20) -> float:
     """FLOP/s of a ``size``-square fp32 ``torch.mm``, best of ``repeats`` calls."""
@@ -126,11 +123,11 @@ def time_step(
 ) -> list[list[float]]:
     """Seconds of each of ``repeats`` steps (forward + logits of each sequence's last row +
     argmax), for each of ``variants`` (context managers that switch the model into a
-    mode), after one warm-up step. Each variant runs
-    its steps back to back: taking turns step by step slowed the optimized decode steps by
-    up to 1.3x on an idle machine (the baseline leaves the caches full of the other weight
-    copy and numba's worker threads awake). Callers take the best: on a shared machine the
-    slow steps measure the other processes."""
+    mode), after one warm-up step. Each variant runs its steps back to back: taking turns
+    step by step slowed the optimized decode steps by up to 1.3x on an idle machine (the
+    baseline leaves the caches full of the other weight copy and numba's worker threads
+    awake). Callers take the best: on a shared machine the slow steps measure the other
+    processes."""
     input_ids, positions, metadata = build_step(query_lens, context_lens, kv_caches.shape[2])
     last_rows = (metadata.cu_seqlens_q[1:] - 1).long()
     samples = [[] for _ in variants]
@@ -246,13 +243,13 @@ def print_table(results: list[StepResult], peak: float, bandwidth: float) -> Non
         # The limit is the larger of the two; near the ridge (both alike) it assumes the
         # step overlaps all its arithmetic with all its memory traffic.
         compute, memory = r.flops / peak, r.num_bytes / bandwidth
-        bound = "compute" if compute >= memory else "memory"
+        limit, bound = max(compute, memory), "compute" if compute >= memory else "memory"
         print(
             f"{r.name:<20} {r.seconds * 1e3:8.1f} {r.median_seconds * 1e3:7.1f} "
             f"{r.flops / 1e9:7.2f} {r.num_bytes / 1e6:6.0f} "
             f"{r.flops / r.seconds / 1e9:8.1f} {r.num_bytes / r.seconds / 1e9:6.1f} "
             f"{compute * 1e3:10.1f} {memory * 1e3:9.1f} {bound:>7} "
-            f"{r.seconds / r.limit(peak, bandwidth):9.2f}x"
+            f"{r.seconds / limit:9.2f}x"
         )
 
 
