@@ -48,6 +48,11 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 # no infinities, and exp(_NO_SCORE - score) is still exactly 0.
 _NO_SCORE = np.float32(-3.0e38)
 _FLOATS_PER_LINE = 16  # a 64-byte cache line of float32: one prefetch each
+_KEYS_PER_CHUNK = 16  # values are summed this many keys at a time (see _add_weighted_values)
+# exp(x) = 2**k * exp(r): k = round(x / ln 2), r = x - k ln 2 in two parts for precision.
+_LOG2_E = np.float32(1.4426950408889634)
+_LN2_HIGH, _LN2_LOW = np.float32(0.693359375), np.float32(-2.12194440e-4)
+_LOWEST_EXP_ARG = np.float32(-87.0)  # exp below it underflows float32's normal range
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -110,6 +115,7 @@ def _run_items(
     running_max = np.empty(group_size, dtype=np.float32)
     denominator = np.empty(group_size, dtype=np.float32)
     scores = np.empty(block_size, dtype=np.float32)
+    exponent_bits = np.empty(block_size, dtype=np.int32)
     for item in range(worker, num_tokens * num_kv_heads, num_workers):
         row, kv_head = item // num_kv_heads, item % num_kv_heads
         seq = seq_of_row[row]
@@ -128,6 +134,7 @@ def _run_items(
             kv_head,
             scale,
             scores,
+            exponent_bits,
             weighted_sum,
             running_max,
             denominator,
@@ -156,6 +163,7 @@ def _attend_to_context(
     kv_head,
     scale,
     scores,
+    exponent_bits,
     weighted_sum,
     running_max,
     denominator,
@@ -163,8 +171,9 @@ def _attend_to_context(
     """Online softmax of one query row's GQA group over its first ``num_keys`` keys.
 
     query_row: ``[num_heads, head_dim]``. Updates weighted_sum ``[group, head_dim]``,
-    running_max ``[group]`` and denominator ``[group]`` in place; scores ``[block_size]``
-    is scratch. The softmax is rescaled once per cache block, not once per key.
+    running_max ``[group]`` and denominator ``[group]`` in place; scores and
+    exponent_bits ``[block_size]`` are scratch. The softmax is rescaled once per cache
+    block, not once per key.
     """
     block_size, head_dim = key_cache.shape[1], key_cache.shape[3]
     group_size = weighted_sum.shape[0]
@@ -196,17 +205,67 @@ def _attend_to_context(
             # Rescale what was summed under the old max to the new one.
             correction = np.exp(running_max[member] - block_max)
             running_max[member] = block_max
+            _exp_shifted(scores, keys_in_block, block_max, exponent_bits)
+            block_sum = np.float32(0.0)
+            for offset in range(keys_in_block):
+                block_sum += scores[offset]
+            denominator[member] = denominator[member] * correction + block_sum
             acc = weighted_sum[member]
             for d in range(head_dim):
                 acc[d] *= correction
-            block_sum = np.float32(0.0)
-            for offset in range(keys_in_block):
-                weight = np.exp(scores[offset] - block_max)
-                block_sum += weight
-                v = value_cache[block, offset, kv_head]
-                for d in range(head_dim):
-                    acc[d] += weight * v[d]
-            denominator[member] = denominator[member] * correction + block_sum
+            _add_weighted_values(acc, scores, value_cache, block, kv_head, keys_in_block)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _exp_shifted(values, count, shift, exponent_bits):
+    """``values[:count] = exp(values[:count] - shift)``, for arguments <= 0.
+
+    libm's ``expf`` is one call per key, which LLVM cannot vectorise; this form it can:
+    exp(x) = 2**k * exp(r) with k = round(x / ln 2) and |r| <= ln(2) / 2, exp(r) by its
+    Taylor series to r**6 (relative error below 4e-7), and 2**k written straight into a
+    float32's exponent bits. Arguments below -87 give ~1e-38: nothing next to the block's
+    largest weight, which is exp(0) = 1.
+    """
+    powers_of_two = exponent_bits.view(np.float32)
+    for i in range(count):
+        x = max(values[i] - shift, _LOWEST_EXP_ARG)
+        k = np.floor(x * _LOG2_E + np.float32(0.5))
+        r = (x - k * _LN2_HIGH) - k * _LN2_LOW
+        taylor = np.float32(1.0 / 720.0)  # Horner: 1 + r(1 + r(1/2 + r(1/6 + ...)))
+        taylor = taylor * r + np.float32(1.0 / 120.0)
+        taylor = taylor * r + np.float32(1.0 / 24.0)
+        taylor = taylor * r + np.float32(1.0 / 6.0)
+        taylor = taylor * r + np.float32(0.5)
+        taylor = taylor * r + np.float32(1.0)
+        taylor = taylor * r + np.float32(1.0)
+        values[i] = taylor
+        exponent_bits[i] = (np.int32(k) + 127) << 23
+    for i in range(count):
+        values[i] *= powers_of_two[i]
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _add_weighted_values(acc, weights, value_cache, block, kv_head, num_keys):
+    """``acc += sum over the block's first num_keys keys of weights[key] * value[key]``.
+
+    Sixteen keys at a time with the head dimension as the outer loop: LLVM unrolls the
+    fixed-length key loop and vectorises over ``d``, so each ``acc[d]`` is loaded and
+    stored once per 16 keys. Key by key, ``acc`` would make a round trip through memory
+    for every key: numba cannot tell LLVM that ``acc`` and the cache never overlap, so it
+    is not kept in registers.
+    """
+    head_dim = acc.shape[0]
+    if num_keys == _KEYS_PER_CHUNK:
+        for d in range(head_dim):
+            total = acc[d]
+            for key in range(_KEYS_PER_CHUNK):
+                total += weights[key] * value_cache[block, key, kv_head, d]
+            acc[d] = total
+    else:  # other block sizes, and a sequence's last, partly filled block
+        for key in range(num_keys):
+            weight = weights[key]
+            for d in range(head_dim):
+                acc[d] += weight * value_cache[block, key, kv_head, d]
 
 
 @intrinsic
