@@ -286,8 +286,9 @@ def plot_roofline(
     ax.set_xlabel("arithmetic intensity (FLOP per byte moved)")
     ax.set_ylabel("GFLOP/s")
     ax.set_title(
-        f"SmolLM2-135M fp32, {torch.get_num_threads()} threads: peak {peak / 1e9:.0f} GFLOP/s, "
-        f"read {bandwidth / 1e9:.1f} GB/s" + ("; hollow: baseline" if baseline else ""),
+        f"SmolLM2-135M fp32, torch threads {torch.get_num_threads()}: "
+        f"peak {peak / 1e9:.0f} GFLOP/s, read {bandwidth / 1e9:.1f} GB/s"
+        + ("; hollow: baseline" if baseline else ""),
         fontsize=9,
     )
     ax.legend(fontsize=8, loc="lower right")
