@@ -13,10 +13,11 @@ steps and divided by their number); the attention kernel shows up as
 ``attention_backend``. What the table does not cover is Python overhead between ops.
 
 ``--numba-launch`` instead times the two builds of the numba-cpu kernel (serial and
-parallel) on one layer's attention of each decode batch: the numbers behind
-``SERIAL_WORK_LIMIT`` in ``kernels/numba_cpu.py``. ``--gemm`` times each of SmolLM2's
-weight shapes with as many rows as sequences: ``F.linear`` on the row-major weight against
-the oneDNN-prepacked weight `minivllm.models.linear.Linear` uses. ``--engine`` runs
+parallel) on one layer's attention of each decode batch, then whole decode steps with each
+(alternating rounds): the numbers behind ``SERIAL_WORK_LIMIT`` in ``kernels/numba_cpu.py``.
+``--gemm`` times each of SmolLM2's weight shapes with as many rows as sequences:
+``F.linear`` on the row-major weight against the oneDNN-prepacked weight
+`minivllm.models.linear.Linear` uses. ``--engine`` runs
 `LLM.generate` on 16 seeded prompts (16-300 tokens, 24 greedy output tokens each), in turn
 as is and with roofline.py's `unoptimized` switches, twice each, in one process.
 ``--parts`` splits a decode step without the profiler's overhead: it times the step
@@ -29,6 +30,7 @@ attention's and the projections' share, and what is left with both stubbed is th
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -112,6 +114,44 @@ def time_numba_launch(batches: list[int], repeats: int = 200) -> None:
         serial = _best_ms(paged_attention_kernel_serial, common, repeats)
         parallel = _best_ms(paged_attention_kernel, (*common, numba.get_num_threads()), repeats)
         print(f"{batch:>3} sequences    {serial:10.3f} {parallel:12.3f}")
+
+
+def time_launch_in_step(model, batches: list[int], rounds: int = 10, repeats: int = 5) -> None:
+    """Whole decode steps with the serial kernel and with the parallel one on all of numba's
+    threads, in alternating rounds of ``repeats`` steps: between torch's ops its OpenMP
+    threads spin-wait on the other cores, which the one-layer timing above never sees."""
+    from contextlib import contextmanager
+
+    import minivllm_kernels.numba_cpu as numba_cpu
+    from roofline import time_step
+
+    def forced(serial: bool):
+        @contextmanager
+        def switched():
+            limit, threads = numba_cpu.SERIAL_WORK_LIMIT, numba_cpu.attention_threads
+            numba_cpu.SERIAL_WORK_LIMIT = 2**62 if serial else -1
+            numba_cpu.attention_threads = numba_cpu.numba.get_num_threads
+            try:
+                yield
+            finally:
+                numba_cpu.SERIAL_WORK_LIMIT, numba_cpu.attention_threads = limit, threads
+
+        return switched
+
+    contexts = decode_contexts(max(batches))
+    kv_caches = empty_kv_caches(model.config, kv_blocks_for(contexts, spare_blocks=64))
+    print(f"\nwhole decode steps, {torch.get_num_threads()} torch threads, "
+          f"{rounds} rounds of {repeats}: median (best) ms")  # fmt: skip
+    print(f"{'decode':<16} {'serial':>16} {'parallel':>16}")
+    for batch in batches:
+        samples = [[], []]
+        variants = [forced(True), forced(False)]
+        for _ in range(rounds):
+            steps = time_step(model, kv_caches, [1] * batch, contexts[:batch], repeats, variants)
+            for kept, new in zip(samples, steps):
+                kept.extend(new)
+        cells = [f"{statistics.median(s) * 1e3:7.1f} ({min(s) * 1e3:6.1f})" for s in samples]
+        print(f"{batch:>3} sequences    {cells[0]:>16} {cells[1]:>16}")
 
 
 def time_gemms(batches: list[int], repeats: int = 30) -> None:
@@ -259,6 +299,7 @@ def main() -> None:
         return
     if args.numba_launch:
         time_numba_launch(args.batches)
+        time_launch_in_step(load_smollm2("numba-cpu"), args.batches)
         return
     model = load_smollm2(args.attention_backend)
     if args.parts:

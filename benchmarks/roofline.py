@@ -154,25 +154,27 @@ def as_is():
 def unoptimized(model: CausalLM):
     """A context manager running ``model`` as it was before the decode-speed work, where
     that can be switched: F.linear on the row-major weights instead of the oneDNN-prepacked
-    copies, and numba-cpu's parallel kernel at every size (RMSNorm and RoPE stay new)."""
+    copies, and numba-cpu's parallel kernel at every size on all of numba's threads,
+    whatever torch's count (RMSNorm, RoPE and the kernel's inner loops stay new)."""
 
     @contextmanager
     def switched():
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         packed = [m.packed_weight for m in linears]
         numba_cpu = sys.modules.get("minivllm_kernels.numba_cpu")
-        limit = numba_cpu.SERIAL_WORK_LIMIT if numba_cpu else None
         for m in linears:
             m.packed_weight = None
         if numba_cpu:
+            limit, threads = numba_cpu.SERIAL_WORK_LIMIT, numba_cpu.attention_threads
             numba_cpu.SERIAL_WORK_LIMIT = -1
+            numba_cpu.attention_threads = numba_cpu.numba.get_num_threads
         try:
             yield
         finally:
             for m, weight in zip(linears, packed):
                 m.packed_weight = weight
             if numba_cpu:
-                numba_cpu.SERIAL_WORK_LIMIT = limit
+                numba_cpu.SERIAL_WORK_LIMIT, numba_cpu.attention_threads = limit, threads
 
     return switched
 

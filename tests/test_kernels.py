@@ -197,12 +197,15 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dt
 
 @contextmanager
 def numba_threads(count: int):
-    previous = numba.get_num_threads()
+    """numba and torch both on ``count`` threads (the kernel uses no more than torch's)."""
+    previous, previous_torch = numba.get_num_threads(), torch.get_num_threads()
     numba.set_num_threads(count)
+    torch.set_num_threads(count)
     try:
         yield
     finally:
         numba.set_num_threads(previous)
+        torch.set_num_threads(previous_torch)
 
 
 @contextmanager
@@ -370,13 +373,37 @@ def test_numba_cuda_refuses_a_cache_of_another_dtype() -> None:
 # --- threading and speed of the CPU kernel -----------------------------------------------
 
 
+needs_two_threads = pytest.mark.skipif(
+    numba.config.NUMBA_NUM_THREADS < 2, reason="the parallel kernel needs two numba threads"
+)
+
+
+@needs_two_threads
 def test_numba_cpu_uses_workqueue_and_leaves_torch_threads_alone() -> None:
-    torch_threads = torch.get_num_threads()
-    with numba_serial_work_limit(-1):  # a batch this small would otherwise run serially
+    with numba_threads(2), numba_serial_work_limit(-1):  # else this batch runs serially
         run_backend("numba-cpu", build_batch([4], [1], [[1]]))
+        assert torch.get_num_threads() == 2
     if "NUMBA_THREADING_LAYER" not in os.environ:
         assert numba.threading_layer() == "workqueue"
-    assert torch.get_num_threads() == torch_threads
+
+
+@needs_two_threads
+def test_numba_cpu_uses_no_more_threads_than_torch(monkeypatch) -> None:
+    """With torch on one thread (``--threads 1``) the parallel kernel is never launched."""
+    import minivllm_kernels.numba_cpu as numba_cpu
+
+    launches = []
+    monkeypatch.setattr(numba_cpu, "paged_attention_kernel", lambda *args: launches.append(args))
+    batch = build_batch([4], [1], [[1]])
+    with numba_threads(2), numba_serial_work_limit(-1):
+        torch.set_num_threads(1)
+        expected = run_backend("torch", batch)
+        actual = run_backend("numba-cpu", batch)  # serial: computes the real answer
+        assert launches == []
+        torch.set_num_threads(2)
+        run_backend("numba-cpu", batch)
+    assert len(launches) == 1 and launches[0][-1] == 2  # two workers
+    assert_matches(actual, expected, torch.float32)
 
 
 def realistic_decode_batch(seed: int = 0) -> PagedBatch:
