@@ -293,18 +293,19 @@ def _prefetch(typingctx, array, index):
 
 # Below this much work per call (query rows x longest context x heads x head_dim, an upper
 # bound on the multiply-adds) the kernel runs on the calling thread. On the 2-core
-# development box, inside a whole decode step, the serial kernel was faster up to a decode
-# of 32 sequences with contexts up to ~500 tokens (median step 94.6 vs 111.8 ms at 32, two
-# torch threads): between torch's ops its OpenMP threads spin-wait on the other core, where
-# a numba worker would have to run.
+# development box, inside whole decode steps, the serial kernel was faster at every decode
+# size measured, up to 32 sequences with contexts up to ~500 tokens (`profile_decode.py
+# --numba-launch`, two torch threads: median step 98.3 vs 105.2 ms at 32 sequences, 52.3
+# vs 64.6 ms at 16): between torch's ops its OpenMP threads spin-wait on the other core,
+# where a numba worker would have to run.
 SERIAL_WORK_LIMIT = 32 * 500 * 9 * 64
 
 
 def attention_threads() -> int:
     """Threads the kernel may use: numba's, but never more than torch's, so that a run
     limited to N threads (``torch.set_num_threads``, ``--threads``) stays within N. With
-    torch on one thread and numba on two, a decode of 32 sequences took 139 ms per step
-    with the serial kernel and 173 ms with the parallel one."""
+    torch on one thread, the parallel kernel on numba's two made whole decode steps slower
+    (median 48.0 vs 35.8 ms at 4 sequences, 168.9 vs 156.7 ms at 32)."""
     return min(numba.get_num_threads(), torch.get_num_threads())
 
 

@@ -12,6 +12,7 @@ from the engine's per-step `StepStats`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,7 +93,7 @@ class RunSummary:
         return None if self.model_flops is None else self.model_flops / self.duration / 1e9
 
 
-def matmul_candidates(size: int = 1024) -> dict[str, object]:
+def matmul_candidates(size: int = 1024) -> dict[str, Callable[[], torch.Tensor]]:
     """The fp32 GEMMs this machine can run a ``size``-square product with, as no-argument
     calls: ``torch.mm`` and the model's own `Linear` (prepacked for oneDNN where this
     torch build can). The faster one is the peak: on an AMD CPU, MKL's ``torch.mm`` can
