@@ -120,23 +120,9 @@ def time_launch_in_step(model, batches: list[int], rounds: int = 10, repeats: in
     """Whole decode steps with the serial kernel and with the parallel one on all of numba's
     threads, in alternating rounds of ``repeats`` steps: between torch's ops its OpenMP
     threads spin-wait on the other cores, which the one-layer timing above never sees."""
-    from contextlib import contextmanager
+    from functools import partial
 
-    import minivllm_kernels.numba_cpu as numba_cpu
-    from roofline import time_step
-
-    def forced(serial: bool):
-        @contextmanager
-        def switched():
-            limit, threads = numba_cpu.SERIAL_WORK_LIMIT, numba_cpu.attention_threads
-            numba_cpu.SERIAL_WORK_LIMIT = 2**62 if serial else -1
-            numba_cpu.attention_threads = numba_cpu.numba.get_num_threads
-            try:
-                yield
-            finally:
-                numba_cpu.SERIAL_WORK_LIMIT, numba_cpu.attention_threads = limit, threads
-
-        return switched
+    from roofline import numba_kernel_forced, time_step
 
     contexts = decode_contexts(max(batches))
     kv_caches = empty_kv_caches(model.config, kv_blocks_for(contexts, spare_blocks=64))
@@ -145,7 +131,10 @@ def time_launch_in_step(model, batches: list[int], rounds: int = 10, repeats: in
     print(f"{'decode':<16} {'serial':>16} {'parallel':>16}")
     for batch in batches:
         samples = [[], []]
-        variants = [forced(True), forced(False)]
+        variants = [
+            partial(numba_kernel_forced, serial=True),
+            partial(numba_kernel_forced, serial=False),
+        ]
         for _ in range(rounds):
             steps = time_step(model, kv_caches, [1] * batch, contexts[:batch], repeats, variants)
             for kept, new in zip(samples, steps):

@@ -161,22 +161,33 @@ def unoptimized(model: CausalLM):
     def switched():
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         packed = [m.packed_weight for m in linears]
-        numba_cpu = sys.modules.get("minivllm_kernels.numba_cpu")
         for m in linears:
             m.packed_weight = None
-        if numba_cpu:
-            limit, threads = numba_cpu.SERIAL_WORK_LIMIT, numba_cpu.attention_threads
-            numba_cpu.SERIAL_WORK_LIMIT = -1
-            numba_cpu.attention_threads = numba_cpu.numba.get_num_threads
         try:
-            yield
+            with numba_kernel_forced(serial=False):
+                yield
         finally:
             for m, weight in zip(linears, packed):
                 m.packed_weight = weight
-            if numba_cpu:
-                numba_cpu.SERIAL_WORK_LIMIT, numba_cpu.attention_threads = limit, threads
 
     return switched
+
+
+@contextmanager
+def numba_kernel_forced(serial: bool):
+    """numba-cpu's serial kernel, or its parallel one on all of numba's threads, at every
+    size and whatever torch's thread count (nothing changes if the backend is not loaded)."""
+    numba_cpu = sys.modules.get("minivllm_kernels.numba_cpu")
+    if numba_cpu is None:
+        yield
+        return
+    limit, threads = numba_cpu.SERIAL_WORK_LIMIT, numba_cpu.attention_threads
+    numba_cpu.SERIAL_WORK_LIMIT = 2**62 if serial else -1
+    numba_cpu.attention_threads = numba_cpu.numba.get_num_threads
+    try:
+        yield
+    finally:
+        numba_cpu.SERIAL_WORK_LIMIT, numba_cpu.attention_threads = limit, threads
 
 
 def step_flops(config: ModelConfig, query_lens: list[int], context_lens: list[int]) -> int:
