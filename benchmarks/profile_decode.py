@@ -5,6 +5,7 @@
     python benchmarks/profile_decode.py --gemm           # F.linear vs oneDNN-prepacked
     python benchmarks/profile_decode.py --engine         # LLM.generate, both ways in turn
     python benchmarks/profile_decode.py --parts          # attention vs projections vs rest
+    python benchmarks/profile_decode.py --prefill        # the same profile, roofline's prefill
 
 Builds the same decode steps as ``benchmarks/roofline.py`` (contexts uniform in 100-500,
 seed 0) and profiles a few of them. For each batch size it prints the step's wall time
@@ -17,9 +18,11 @@ parallel) on one layer's attention of each decode batch, then whole decode steps
 (alternating rounds): the numbers behind ``SERIAL_WORK_LIMIT`` in ``kernels/numba_cpu.py``.
 ``--gemm`` times each of SmolLM2's weight shapes with as many rows as sequences:
 ``F.linear`` on the row-major weight against the oneDNN-prepacked weight
-`minivllm.models.linear.Linear` uses. ``--engine`` runs
-`LLM.generate` on 16 seeded prompts (16-300 tokens, 24 greedy output tokens each), in turn
-as is and with roofline.py's `unoptimized` switches, twice each, in one process.
+`minivllm.models.linear.Linear` uses (GB/s of weight read, and GFLOP/s for the prepacked
+one). ``--prefill`` profiles roofline.py's 512-token prefill step instead of decodes.
+``--engine`` runs `LLM.generate` on 16 seeded prompts (16-300 tokens, 24 greedy output
+tokens each), in turn as is and with roofline.py's `unoptimized` switches, twice each, in
+one process.
 ``--parts`` splits a decode step without the profiler's overhead: it times the step
 (roofline.py's ``time_step``) as is, with the attention backend returning its query
 unchanged, and with every projection but ``lm_head`` returning zeros; the differences are
@@ -41,6 +44,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).parent))
 from roofline import (  # noqa: E402
     BLOCK_SIZE,
+    PREFILL_PROMPTS,
     build_step,
     decode_contexts,
     empty_kv_caches,
@@ -62,9 +66,16 @@ def wrap_attention(backend) -> None:
 
 def profile_decode(model, batch: int, steps: int, top: int) -> None:
     contexts = decode_contexts(batch)
+    profile_step(model, f"decode {batch} seqs", [1] * batch, contexts, steps, top)
+
+
+def profile_step(
+    model, label: str, query_lens: list[int], contexts: list[int], steps: int, top: int
+) -> None:
+    """Wall time of one kind of step and the torch ops that took the most of it."""
     num_blocks = kv_blocks_for(contexts, spare_blocks=16)
     kv_caches = empty_kv_caches(model.config, num_blocks)
-    input_ids, positions, metadata = build_step([1] * batch, contexts, num_blocks)
+    input_ids, positions, metadata = build_step(query_lens, contexts, num_blocks)
     last_rows = (metadata.cu_seqlens_q[1:] - 1).long()
 
     def step() -> None:
@@ -81,7 +92,7 @@ def profile_decode(model, batch: int, steps: int, top: int) -> None:
         wall_ms = (time.perf_counter() - start) * 1e3 / steps
     averages = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     listed = sum(e.self_cpu_time_total for e in averages) / 1e3 / steps
-    print(f"\n== decode {batch} seqs: {wall_ms:.1f} ms per step (profiled), ops {listed:.1f} ms")
+    print(f"\n== {label}: {wall_ms:.1f} ms per step (profiled), ops {listed:.1f} ms")
     print(f"{'op':<40} {'calls':>6} {'self ms':>8} {'total ms':>9}")
     for event in averages[:top]:
         print(
@@ -151,7 +162,7 @@ def time_gemms(batches: list[int], repeats: int = 30) -> None:
               "down_proj": (576, 1536), "lm_head": (49152, 576)}  # fmt: skip
     print(
         f"{'weight':<14} {'rows':>4} {'F.linear ms':>12} {'GB/s':>6} "
-        f"{'prepacked ms':>13} {'GB/s':>6}"
+        f"{'prepacked ms':>13} {'GB/s':>6} {'GFLOP/s':>8}"
     )
     for name, (out_features, in_features) in shapes.items():
         weight = torch.randn(out_features, in_features)
@@ -162,9 +173,10 @@ def time_gemms(batches: list[int], repeats: int = 30) -> None:
             prepacked = _best_ms(
                 torch.ops.mkldnn._linear_pointwise, (x, packed, None, "none", [], ""), repeats
             )
-            gigabytes = weight.numel() * 4 / 1e9
+            gigabytes, gigaflops = weight.numel() * 4 / 1e9, 2 * rows * weight.numel() / 1e9
             print(f"{name:<14} {rows:>4} {plain:12.3f} {gigabytes / plain * 1e3:6.1f} "
-                  f"{prepacked:13.3f} {gigabytes / prepacked * 1e3:6.1f}")  # fmt: skip
+                  f"{prepacked:13.3f} {gigabytes / prepacked * 1e3:6.1f} "
+                  f"{gigaflops / prepacked * 1e3:8.1f}")  # fmt: skip
 
 
 def time_engine(rounds: int = 2) -> None:
@@ -276,6 +288,7 @@ def main() -> None:
     parser.add_argument("--gemm", action="store_true", help="see the module doc")
     parser.add_argument("--engine", action="store_true", help="see the module doc")
     parser.add_argument("--parts", action="store_true", help="see the module doc")
+    parser.add_argument("--prefill", action="store_true", help="see the module doc")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -295,6 +308,10 @@ def main() -> None:
         time_parts(model, args.batches)
         return
     wrap_attention(model.layers[0].self_attn.backend)
+    if args.prefill:
+        prompts = list(PREFILL_PROMPTS)
+        profile_step(model, "prefill 512 tokens", prompts, prompts, args.steps, args.top)
+        return
     for batch in args.batches:
         profile_decode(model, batch, args.steps, args.top)
 
