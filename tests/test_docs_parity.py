@@ -1,0 +1,374 @@
+"""The two languages of the docs say the same thing, and no page says something the code
+or the measurements contradict. Read from the sources, without building the site:
+
+- each Chinese page (NAME.zh.md) shows the same figures and shared tables as its English
+  page and has as many `##` sections; a Chinese twin of a table (snippets/NAME.zh.md)
+  holds the same numbers, in the same order, and the same code names;
+- no Chinese page sends its reader to the English page for content;
+- the Chinese pages use the glossary's word for each concept (docs/snippets/
+  glossary-word-choice.md), never a spelling it rejects;
+- no page describes a feature that exists as missing;
+- the numbers the home page and the results chapter's key-numbers box quote are the
+  measured ones of the results tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+SNIPPETS = DOCS / "snippets"
+ZH_PAGES = sorted(p for p in DOCS.rglob("*.zh.md") if SNIPPETS not in p.parents)
+ZH_SNIPPETS = sorted(SNIPPETS.glob("*.zh.md"))
+ALL_PAGES = sorted(p for p in DOCS.rglob("*.md") if SNIPPETS not in p.parents)
+
+# Chapters 1-5 are being brought in line in a parallel change; until it lands, these
+# (check, page) pairs are known to fail. Remove an entry once its page passes: the marks
+# are strict, so a page that passes while listed fails the run and says so.
+AWAITING_CHAPTERS_1_TO_5: set[tuple[str, str]] = set()
+
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)|<img[^>]*\bsrc=\"([^\"]+)\"")
+SNIPPET = re.compile(r'^--8<-- "([^"]+)"', re.M)
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+NUMBER = re.compile(r"\d+(?:\.\d+)?")
+CODE_SPAN = re.compile(r"`[^`\n]+`")
+CJK = r"\u4e00-\u9fff"
+
+
+def rel(page: Path) -> str:
+    return page.relative_to(DOCS).as_posix()
+
+
+def english_of(page: Path) -> Path:
+    return page.with_name(page.name.replace(".zh.md", ".md"))
+
+
+def params(check: str, pages: list[Path]) -> list:
+    """One pytest param per page, xfail (strict) where AWAITING_CHAPTERS_1_TO_5 says so."""
+    out = []
+    for page in pages:
+        marks = []
+        if (check, rel(page)) in AWAITING_CHAPTERS_1_TO_5:
+            marks = [pytest.mark.xfail(strict=True, reason="chapters 1-5: parallel change")]
+        out.append(pytest.param(page, id=rel(page), marks=marks))
+    return out
+
+
+def without_code(text: str) -> str:
+    return FENCE.sub("", text)
+
+
+def prose(text: str) -> str:
+    """What a reader reads as words: no code, HTML tags or comments, link targets, heading
+    anchors or snippet lines (a snippet is checked on its own)."""
+    text = re.sub(r"<!--.*?-->", "", without_code(text), flags=re.S)
+    text = CODE_SPAN.sub(" ", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    text = re.sub(r"<[^>\n]+>", " ", text)
+    text = re.sub(r"\{#[^}]*\}", "", text)
+    return SNIPPET.sub("", text)
+
+
+def images(text: str) -> set[str]:
+    return {a or b for a, b in IMAGE.findall(without_code(text))}
+
+
+def snippets(text: str) -> set[str]:
+    """The shared tables a page includes; a Chinese twin counts as its English table."""
+    return {name.replace(".zh.md", ".md") for name in SNIPPET.findall(text)}
+
+
+def sections(text: str) -> int:
+    return len(re.findall(r"^## ", without_code(text), re.M))
+
+
+# --- the same figures, tables and sections in both languages ------------------------
+
+
+@pytest.mark.parametrize("page", params("figures and tables", ZH_PAGES))
+def test_a_chinese_page_shows_the_figures_and_tables_of_its_english_page(page):
+    english, chinese = english_of(page).read_text(), page.read_text()
+    assert images(chinese) == images(english), (
+        f"figures only in English: {sorted(images(english) - images(chinese))}; "
+        f"only in Chinese: {sorted(images(chinese) - images(english))}"
+    )
+    assert snippets(chinese) == snippets(english), (
+        f"tables only in English: {sorted(snippets(english) - snippets(chinese))}; "
+        f"only in Chinese: {sorted(snippets(chinese) - snippets(english))}"
+    )
+
+
+@pytest.mark.parametrize("page", params("sections", ZH_PAGES))
+def test_a_chinese_page_has_the_sections_of_its_english_page(page):
+    assert sections(page.read_text()) == sections(english_of(page).read_text())
+
+
+def table_rows(text: str) -> list[str]:
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    return [line for line in text.splitlines() if line.startswith("|")]
+
+
+@pytest.mark.parametrize("twin", ZH_SNIPPETS, ids=lambda p: p.name)
+def test_a_chinese_table_has_the_numbers_and_code_names_of_its_english_twin(twin):
+    english = table_rows(english_of(twin).read_text())
+    chinese = table_rows(twin.read_text())
+    assert len(chinese) == len(english), "a different number of rows"
+    for en_row, zh_row in zip(english, chinese, strict=True):
+        assert NUMBER.findall(zh_row) == NUMBER.findall(en_row), (en_row, zh_row)
+        assert sorted(CODE_SPAN.findall(zh_row)) == sorted(CODE_SPAN.findall(en_row)), (
+            en_row,
+            zh_row,
+        )
+
+
+def test_every_chinese_table_is_included_where_its_english_twin_is():
+    for twin in ZH_SNIPPETS:
+        english_name = english_of(twin).name
+        for page in ALL_PAGES:
+            if page.name.endswith(".zh.md"):
+                continue
+            if english_name in SNIPPET.findall(page.read_text()):
+                chinese = page.with_name(page.name.replace(".md", ".zh.md"))
+                assert twin.name in SNIPPET.findall(chinese.read_text()), (
+                    f"{rel(chinese)} includes {english_name}, not its twin {twin.name}"
+                )
+
+
+# --- no Chinese page sends its reader to English ---------------------------------------
+
+SEND_TO_ENGLISH = re.compile(r"见英文|英文版本页|英文页面|英文版|see the English page", re.I)
+
+
+@pytest.mark.parametrize("page", params("no English for content", ZH_PAGES + ZH_SNIPPETS))
+def test_no_chinese_page_sends_the_reader_to_the_english_page(page):
+    found = SEND_TO_ENGLISH.findall(prose(page.read_text()))
+    assert not found, f"{rel(page)} sends the reader to English: {found}"
+
+
+# --- one word per concept on the Chinese pages -----------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WordChoice:
+    concept: str
+    preferred: tuple[str, ...]
+    rejected: tuple[str, ...]
+
+
+@functools.cache
+def word_choices() -> tuple[WordChoice, ...]:
+    rows = table_rows((SNIPPETS / "glossary-word-choice.md").read_text())[2:]
+    choices = []
+    for row in rows:
+        concept, preferred, rejected = (cell.strip() for cell in row.strip("|").split("|"))
+        choices.append(
+            WordChoice(
+                concept,
+                tuple(re.findall(r"`([^`]+)`", preferred)),
+                tuple(re.findall(r"`([^`]+)`", rejected)),
+            )
+        )
+    return tuple(choices)
+
+
+def rejected_uses(text: str, choice: WordChoice) -> list[str]:
+    """The rejected spellings of one concept in a Chinese text. The site's words that
+    contain a rejected one (笔记本电脑 ⊃ 笔记本) are masked first. An English word counts
+    only inside a Chinese sentence: touching a Chinese character, a space apart at most."""
+    site_words = {word for c in word_choices() for word in c.preferred}
+    found = []
+    for word in choice.rejected:
+        masked = text
+        for longer in sorted((w for w in site_words if word in w and w != word), key=len)[::-1]:
+            masked = masked.replace(longer, "\0")
+        if word.isascii():
+            pattern = rf"(?:[{CJK}] ?\b{re.escape(word)}\b|\b{re.escape(word)}\b ?[{CJK}])"
+        else:
+            pattern = re.escape(word)
+        found += [m.group(0) for m in re.finditer(pattern, masked)]
+    return found
+
+
+def test_the_word_choice_table_is_read():
+    choices = word_choices()
+    assert len(choices) >= 15
+    assert all(c.preferred and c.rejected for c in choices)
+    prefill = next(c for c in choices if c.concept == "prefill")
+    assert rejected_uses("先做预填充，再把 prefill 块放进批次", prefill) == ["预填充", "把 prefill"]
+    assert rejected_uses("分块 Prefill（chunked prefill）", prefill) == []
+    laptop = next(c for c in choices if c.concept == "laptop")
+    assert rejected_uses("笔记本电脑上的 Jupyter 笔记本", laptop) == []
+    assert rejected_uses("在笔记本上跑", laptop) == ["笔记本"]
+
+
+@pytest.mark.parametrize("page", params("word choice", ZH_PAGES + ZH_SNIPPETS))
+def test_chinese_pages_use_the_glossarys_words(page):
+    text = prose(page.read_text())
+    if page.parent == SNIPPETS:  # a table: its cells are prose, its code names are not
+        text = CODE_SPAN.sub(" ", page.read_text())
+    problems = {
+        choice.concept: uses for choice in word_choices() if (uses := rejected_uses(text, choice))
+    }
+    assert not problems, f"{rel(page)}: spellings the glossary rejects: {problems}"
+
+
+# --- no page calls an existing feature missing -----------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    name: str
+    exists: bool
+    claims_absent: tuple[str, ...]  # regular expressions
+
+
+def _engine_config_fields() -> str:
+    return (ROOT / "minivllm" / "config.py").read_text()
+
+
+FEATURES = [
+    Feature(
+        "speculative decoding (minivllm/spec_decode/)",
+        (ROOT / "minivllm" / "spec_decode").is_dir(),
+        (
+            r"speculative decoding[^.|\n]{0,40}\bnot yet\b",
+            r"\bnot yet\b[^.|\n]{0,40}speculative decoding",
+            r"—\s*\(not yet\)",
+            r"\bno speculative decoding\b(?! beyond)",
+            r"投机解码[^。|\n]{0,20}(还没有|尚未|没有实现|未实现)",
+            r"(没有|不支持)投机解码",
+        ),
+    ),
+    Feature(
+        "an OpenAI-compatible server (`minivllm serve`, minivllm/entrypoints/)",
+        (ROOT / "minivllm" / "entrypoints" / "openai").is_dir(),
+        (
+            r"\boffline (use )?only\b",
+            r"\bonly offline\b",
+            r"\bno (HTTP|OpenAI-compatible|online) server",
+            r"只有离线",
+            r"仅(支持)?离线",
+            r"没有[^。\n]{0,8}(HTTP|在线)服务",
+        ),
+    ),
+    Feature(
+        "the GPU simulator (`minivllm simulate`, minivllm/simulator/)",
+        (ROOT / "minivllm" / "simulator").is_dir(),
+        (r"\bno (GPU )?simulator\b", r"没有(GPU )?模拟器"),
+    ),
+    Feature(
+        "prefix caching (enable_prefix_caching)",
+        "enable_prefix_caching" in _engine_config_fields(),
+        (r"\bno prefix caching\b", r"(没有|不支持)前缀缓存"),
+    ),
+    Feature(
+        "chunked prefill",
+        "max_num_batched_tokens" in _engine_config_fields(),
+        (r"\bno chunked prefill\b", r"(没有|不支持)分块 ?Prefill"),
+    ),
+    Feature(
+        "chat (LLM.chat)",
+        "def chat" in (ROOT / "minivllm" / "llm.py").read_text(),
+        (r"\bno chat\b", r"(没有|不支持) ?chat"),
+    ),
+    Feature(
+        "tensor parallelism in the engine (EngineConfig.tensor_parallel_size)",
+        "tensor_parallel_size" in _engine_config_fields(),
+        (r"\bno tensor (or pipeline )?parallelism\b", r"没有张量并行"),
+    ),
+]
+
+
+def test_the_feature_list_knows_what_exists():
+    assert [f.name for f in FEATURES if f.exists][:3] == [f.name for f in FEATURES[:3]]
+    claim = next(f for f in FEATURES if f.name.startswith("speculative")).claims_absent
+    assert any(re.search(p, "| 投机解码 | — (not yet) |", re.I) for p in claim)
+    assert not any(re.search(p, "no speculative decoding beyond n-gram drafts", re.I) for p in claim)
+
+
+@pytest.mark.parametrize("page", params("features", ALL_PAGES + sorted(SNIPPETS.glob("*.md"))))
+def test_no_page_calls_an_existing_feature_missing(page):
+    text = re.sub(r"\s+", " ", prose(page.read_text()))
+    for feature in FEATURES:
+        if not feature.exists:
+            continue
+        for pattern in feature.claims_absent:
+            found = re.search(pattern, text, re.I)
+            assert not found, f"{rel(page)} calls {feature.name} missing: {found.group(0)!r}"
+
+
+# --- quoted numbers come from the measured tables ----------------------------------------
+
+# A measured quantity in prose: a number (or a range a–b) with a unit a reader compares.
+QUOTED = re.compile(r"(\d+(?:\.\d+)?)(?:\s*[–-]\s*(\d+(?:\.\d+)?))?\s*(×|%|倍)")
+# The explainer's claims, quoted to compare with: its 2–4× throughput, its 30–70 % P99.
+EXPLAINER_NUMBERS = {"2", "4", "30", "70"}
+
+
+def measured_numbers(names: list[str]) -> tuple[set[str], list[float]]:
+    """The numbers of these results tables, and their ratios (the × column)."""
+    numbers: set[str] = set()
+    ratios: list[float] = []
+    for name in names:
+        for row in table_rows((SNIPPETS / name).read_text()):
+            numbers |= set(NUMBER.findall(row))
+            ratios += [float(r) for r in re.findall(r"(\d+\.\d+)×", row)]
+    return numbers, ratios
+
+
+def unsupported(text: str, names: list[str]) -> list[str]:
+    """Quoted numbers that are neither in the tables, nor a ratio of them as a change in
+    per cent (0.72× is −28 %), nor the explainer's."""
+    numbers, ratios = measured_numbers(names)
+    changes = {str(round(abs(1 - r) * 100)) for r in ratios}
+    bad = []
+    for match in QUOTED.finditer(text):
+        for number in filter(None, match.group(1, 2)):
+            if number in numbers or number in EXPLAINER_NUMBERS:
+                continue
+            if match.group(3) == "%" and number in changes:
+                continue
+            bad.append(match.group(0))
+    return bad
+
+
+RESULTS_TABLES = sorted(p.name for p in SNIPPETS.glob("results-*.md") if ".zh." not in p.name)
+
+
+def admonitions(text: str) -> list[str]:
+    """The boxes (`!!! kind "title"` and their indented body) of a page."""
+    return re.findall(r"^[!?]{3}\+? .*\n(?:(?:    .*)?\n)*", without_code(text), re.M)
+
+
+def test_the_number_check_accepts_derived_changes_and_rejects_others():
+    assert unsupported("P99 −28 %, 1.38×, padding 44.9 %", RESULTS_TABLES) == []
+    assert unsupported("throughput 1.3× and 2.6×", RESULTS_TABLES) == ["1.3×", "2.6×"]
+
+
+@pytest.mark.parametrize("page", params("quoted numbers", [DOCS / "index.md", DOCS / "index.zh.md"]))
+def test_the_home_pages_measured_numbers_come_from_the_results_tables(page):
+    text = page.read_text()
+    boxes = admonitions(text)
+    tables = [SNIPPETS / name for name in SNIPPET.findall(text) if name.startswith("home-")]
+    assert tables, "the home page has no comparison table (snippets/home-*.md)"
+    quoted = "".join(boxes) + "".join(p.read_text() for p in tables)
+    assert QUOTED.search(quoted), "the home page quotes no measured number"
+    assert unsupported(quoted, RESULTS_TABLES) == []
+
+
+@pytest.mark.parametrize(
+    "page",
+    params("quoted numbers", [DOCS / "tutorial/results.md", DOCS / "tutorial/results.zh.md"]),
+)
+def test_the_results_key_numbers_come_from_its_tables(page):
+    boxes = admonitions(page.read_text())
+    assert boxes, f"{rel(page)} has no key-numbers box"
+    first = boxes[0]
+    assert QUOTED.search(first), f"{rel(page)}: the first box quotes no measured number"
+    assert unsupported(first, RESULTS_TABLES) == []
