@@ -289,7 +289,9 @@ def test_the_feature_list_knows_what_exists():
     assert [f.name for f in FEATURES if f.exists][:3] == [f.name for f in FEATURES[:3]]
     claim = next(f for f in FEATURES if f.name.startswith("speculative")).claims_absent
     assert any(re.search(p, "| 投机解码 | — (not yet) |", re.I) for p in claim)
-    assert not any(re.search(p, "no speculative decoding beyond n-gram drafts", re.I) for p in claim)
+    assert not any(
+        re.search(p, "no speculative decoding beyond n-gram drafts", re.I) for p in claim
+    )
 
 
 @pytest.mark.parametrize("page", params("features", ALL_PAGES + sorted(SNIPPETS.glob("*.md"))))
@@ -351,7 +353,9 @@ def test_the_number_check_accepts_derived_changes_and_rejects_others():
     assert unsupported("throughput 1.3× and 2.6×", RESULTS_TABLES) == ["1.3×", "2.6×"]
 
 
-@pytest.mark.parametrize("page", params("quoted numbers", [DOCS / "index.md", DOCS / "index.zh.md"]))
+@pytest.mark.parametrize(
+    "page", params("quoted numbers", [DOCS / "index.md", DOCS / "index.zh.md"])
+)
 def test_the_home_pages_measured_numbers_come_from_the_results_tables(page):
     text = page.read_text()
     boxes = admonitions(text)

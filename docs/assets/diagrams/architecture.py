@@ -4,6 +4,7 @@
     python docs/assets/diagrams/architecture.py
 """
 
+import warnings
 from pathlib import Path
 
 import matplotlib
@@ -57,9 +58,28 @@ ARROWS = [
     ("outproc", "out", "", False),
 ]
 WIDTH, HEIGHT = 3.6, 0.72
+# The Chinese page's copy (architecture.zh.svg, which the site's i18n plugin shows on /zh/):
+# the code names stay, the words around them are translated.
+CHINESE = {
+    "tokenize, validate": "分词、校验",
+    "token budget, chunking, preemption": "token 预算、分块、抢占",
+    "block tables": "块表",
+    "free list, ref counts": "空闲队列、引用计数",
+    "model, tokenizer, KV cache size": "模型、tokenizer、KV Cache 大小",
+    "greedy, temperature, top-k/p, min-p": "greedy、temperature、top-k/p、min-p",
+    "append tokens, detokenize, stop checks": "追加 token、反分词、检查停止条件",
+    "SchedulerOutput: chunks of token ids,\nstart position, block table": (
+        "SchedulerOutput：若干 token id 分块、\n起始位置、块表"
+    ),
+    "k, v per layer": "每层的 k、v",
+    "attention output": "attention 输出",
+    "logits of rows that sample": "要采样的行的 logits",
+}
 
 
-def draw(path: Path) -> None:
+def draw(path: Path, words: dict[str, str] | None = None) -> None:
+    """``words`` translates the details and arrow labels (code names are never translated)."""
+    words = words or {}
     fig, ax = plt.subplots(figsize=(10, 12))
     ax.set_xlim(0.4, 9.6)
     ax.set_ylim(0.2, 13.6)
@@ -75,8 +95,10 @@ def draw(path: Path) -> None:
         ax.text(x, y + (0.12 if detail else 0), title, ha="center", va="center",
                 fontsize=10, fontweight="bold", family="monospace")  # fmt: skip
         if detail:
-            ax.text(x, y - 0.17, detail, ha="center", va="center", fontsize=8, color="#333")
+            ax.text(x, y - 0.17, words.get(detail, detail), ha="center", va="center",
+                    fontsize=8, color="#333")  # fmt: skip
     for start, end, label, both in ARROWS:
+        label = words.get(label, label)
         (x0, y0, *_), (x1, y1, *_) = BOXES[start], BOXES[end]
         dx, dy = x1 - x0, y1 - y0
         # Leave and enter each box at its edge: the side edges between the two columns,
@@ -111,3 +133,7 @@ def draw(path: Path) -> None:
 
 if __name__ == "__main__":
     draw(Path(__file__).with_name("architecture.svg"))
+    # The SVG keeps its text as text (svg.fonttype none): the browser draws the Chinese
+    # labels with the page's CJK font, so matplotlib's own font need not have the glyphs.
+    warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+    draw(Path(__file__).with_name("architecture.zh.svg"), CHINESE)
