@@ -141,10 +141,22 @@ def test_a_chinese_page_includes_the_chinese_twin_of_every_table_that_has_one(pa
 SEND_TO_ENGLISH = re.compile(r"见英文|英文版本页|英文页面|英文版|see the English page", re.I)
 
 
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
 @pytest.mark.parametrize("page", params("no English for content", ZH_PAGES + ZH_SNIPPETS))
 def test_no_chinese_page_sends_the_reader_to_the_english_page(page):
-    found = SEND_TO_ENGLISH.findall(prose(page.read_text()))
+    text = page.read_text()
+    found = SEND_TO_ENGLISH.findall(prose(text))
     assert not found, f"{rel(page)} sends the reader to English: {found}"
+    # A relative link that climbs out of docs/ lands on the English site's copy of a page
+    # (the Chinese site is docs/ served under /zh/).
+    base = DOCS if page.parent == SNIPPETS else page.parent
+    for target in LINK.findall(without_code(text)):
+        if re.match(r"[a-z]+:|#", target):
+            continue
+        resolved = (base / target.split("#")[0]).resolve()
+        assert DOCS.resolve() in [resolved, *resolved.parents], f"{rel(page)} links to {target}"
 
 
 # --- one word per concept on the Chinese pages -----------------------------------------
