@@ -31,7 +31,22 @@ ALL_PAGES = sorted(p for p in DOCS.rglob("*.md") if SNIPPETS not in p.parents)
 # Chapters 1-5 are being brought in line in a parallel change; until it lands, these
 # (check, page) pairs are known to fail. Remove an entry once its page passes: the marks
 # are strict, so a page that passes while listed fails the run and says so.
-AWAITING_CHAPTERS_1_TO_5: set[tuple[str, str]] = set()
+AWAITING_CHAPTERS_1_TO_5: set[tuple[str, str]] = {
+    ("figures and tables", "tutorial/static-batching.zh.md"),
+    ("figures and tables", "tutorial/continuous-batching.zh.md"),
+    ("figures and tables", "tutorial/together.zh.md"),
+    ("figures and tables", "tutorial/results.zh.md"),
+    ("Chinese tables", "tutorial/results.zh.md"),
+    ("no English for content", "tutorial/paged-attention.zh.md"),
+    ("no English for content", "tutorial/results.zh.md"),
+    ("word choice", "tutorial/static-batching.zh.md"),
+    ("word choice", "tutorial/continuous-batching.zh.md"),
+    ("word choice", "tutorial/paged-attention.zh.md"),
+    ("word choice", "tutorial/together.zh.md"),
+    ("word choice", "tutorial/results.zh.md"),
+    ("quoted numbers", "tutorial/results.md"),
+    ("quoted numbers", "tutorial/results.zh.md"),
+}
 
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)|<img[^>]*\bsrc=\"([^\"]+)\"")
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"', re.M)
