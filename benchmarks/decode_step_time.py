@@ -85,6 +85,7 @@ def plot(data: dict, path: str, lang: str) -> None:
     # Chinese labels need no CJK font on the machine that draws the figure.
     matplotlib.rcParams["svg.fonttype"] = "none"
     import matplotlib.pyplot as plt
+
     text = LABELS[lang]
     rows = [r["rows"] for r in data["results"]]
     step_ms = [r["best_s"] * 1e3 for r in data["results"]]
@@ -129,10 +130,8 @@ def main() -> None:
         rows = [int(n) for n in args.rows.split(",")]
         results = measure(rows, args.repeats, args.attention_backend)
         data = {
-            "command": "OMP_NUM_THREADS=1 python benchmarks/decode_step_time.py " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                if k in ("rows", "repeats", "threads") and v is not None
-            ),  # fmt: skip
+            "command": "OMP_NUM_THREADS=1 python benchmarks/decode_step_time.py "
+            f"--rows {args.rows} --repeats {args.repeats} --threads {args.threads}",
             "machine": {
                 "machine": f"{os.cpu_count()}-core {platform.machine()} CPU",
                 "threads": torch.get_num_threads(),
