@@ -84,6 +84,7 @@ def plot(data: dict, path: str, lang: str) -> None:
     # In an SVG the text stays text, drawn by the reader's browser in its own fonts: the
     # Chinese labels need no CJK font on the machine that draws the figure.
     matplotlib.rcParams["svg.fonttype"] = "none"
+    matplotlib.rcParams["svg.hashsalt"] = "decode_step_time"  # same data, same file
     import matplotlib.pyplot as plt
 
     text = LABELS[lang]
@@ -106,7 +107,7 @@ def plot(data: dict, path: str, lang: str) -> None:
     ax.set_title(text["title"].format(**data["machine"]), fontsize=9)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Date": None})
     print(f"plot: {path}")
 
 
