@@ -27,6 +27,7 @@ import os
 import platform
 import statistics
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -106,8 +107,10 @@ def plot(data: dict, path: str, lang: str) -> None:
     ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper center")
     ax.set_title(text["title"].format(**data["machine"]), fontsize=9)
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata={"Date": None})
+    with warnings.catch_warnings():  # no CJK font needed: the SVG's text is drawn by the browser
+        warnings.filterwarnings("ignore", "Glyph .* missing from font")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120, metadata={"Date": None})
     print(f"plot: {path}")
 
 
