@@ -52,11 +52,11 @@ LABELS = {
         "per_token_legend": "per token (step time / rows)",
     },
     "zh": {
-        "rows": "decode step 的行数（序列数，每个序列 1 个新 token）",
+        "rows": "Decode step 的行数（序列数，每个序列 1 个新 token）",
         "step": "一步的时间（ms）",
         "per_token": "每个生成 token 的时间（ms）",
-        "title": "SmolLM2-135M fp32 decode，{machine}，torch 线程数：{threads}，{date}",
-        "step_legend": "一个 decode step",
+        "title": "SmolLM2-135M fp32 Decode，{machine}，torch 线程数：{threads}，{date}",
+        "step_legend": "一个 Decode step",
         "per_token_legend": "每个 token（step 时间 / 行数）",
     },
 }

@@ -60,14 +60,14 @@ TEXT = {
         "slot": "= block_table[pos // 4] * 4\n   + pos % 4",
     },
     "zh": {
-        "title": "一个混合 step：A、B 各 decode 一个 token，C prefill 它 prompt 的一个分块"
+        "title": "一个混合 step：A、B 各 Decode 一个 token，C 对它的 prompt 做一个 Prefill 分块"
         "\n（block_size = 4，max_num_batched_tokens = 8；数据取自 ModelRunner.prepare_inputs）",
         "per_token": "每个 token 一项：[num_tokens] = [8]",
         "per_seq": "每个序列一项：[num_seqs] = [3]",
         "row": "行",
         "sequence": "序列",
-        "decode": "decode",
-        "prefill": "prefill 分块",
+        "decode": "Decode",
+        "prefill": "Prefill 分块",
         "block_tables": "block_tables\n[num_seqs, max_blocks]",
         "padded": "灰色：填充，不会被读取",
         "pool": "KV Cache：16 个块，每块 4 个槽位"
