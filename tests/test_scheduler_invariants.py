@@ -262,6 +262,9 @@ def check_sequences(engine: EngineUnderTest) -> None:
     for seq in scheduler.waiting:
         assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
         assert seq.num_computed_tokens == 0 and seq.block_table == []
+    # The preempted are counted as they come and go, never by scanning the queue.
+    preempted = [s for s in scheduler.waiting if s.status is SequenceStatus.PREEMPTED]
+    assert scheduler.num_waiting_preempted == len(preempted)
     assert len(scheduler.running) <= scheduler.max_num_seqs
     in_flight = scheduler.running + list(scheduler.waiting)
     assert set(in_flight) == set(engine.requests.values())

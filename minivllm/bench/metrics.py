@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minivllm.metrics import StepStats
 from minivllm.sequence import RequestMetrics
+from minivllm.stats import StepStats
 
 PERCENTILES = (50, 90, 99)
 # Nearest rank: every percentile is a latency some request (or token) really had. numpy's

@@ -20,9 +20,9 @@ from minivllm.bench.metrics import RequestResult, RunSummary, summarize
 from minivllm.bench.workloads import BenchRequest, Workload
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
-from minivllm.metrics import StepStats
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.spec_decode import SpecDecodingStats
+from minivllm.stats import StepStats
 
 
 @dataclass
