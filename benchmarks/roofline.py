@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.attention import AttentionMetadata, get_backend
-from minivllm.bench.metrics import matmul_candidates
+from minivllm.simulator.hardware_probe import matmul_candidates
 from minivllm.config import EngineConfig
 from minivllm.models.linear import Linear
 from minivllm.models.llama import CausalLM, ModelConfig

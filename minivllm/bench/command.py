@@ -90,7 +90,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from minivllm.bench import report
-    from minivllm.bench.metrics import measure_matmul_peak
+    from minivllm.simulator.hardware_probe import measure_matmul_peak
     from minivllm.bench.runner import run_engine
 
     if args.threads is not None:
