@@ -8,6 +8,7 @@ import pytest
 from minivllm.bench.runner import run_engine
 from minivllm.bench.workloads import BenchRequest, LengthDistribution, Workload, synthetic
 from minivllm.config import EngineConfig
+from minivllm.models.arithmetic import decode_flops, prefill_flops, request_flops
 from minivllm.models.loader import load_hf_config, model_config_from_hf
 from minivllm.simulator.cluster import Deployment, search_replicas, simulate
 from minivllm.simulator.cost_model import ChunkShape, step_cost
@@ -63,6 +64,11 @@ def test_a_lone_request_takes_exactly_its_predicted_steps():
     assert metrics.ttft == pytest.approx(prefill)
     assert metrics.e2e_latency == pytest.approx(prefill + sum(decodes))
     assert len(run.steps) == 3
+    # the bench's useful work: the prompt in one pass, then two decodes
+    prefill_and_decodes = prefill_flops(LLAMA_8B, 100) + sum(
+        decode_flops(LLAMA_8B, c) for c in (101, 102)
+    )
+    assert run.summary.model_flops == request_flops(LLAMA_8B, 100, 3) == prefill_and_decodes
 
 
 def test_ten_thousand_requests_in_seconds():

@@ -20,7 +20,7 @@ from minivllm.bench.workloads import BenchRequest, Workload
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.metrics import StepStats
-from minivllm.models.arithmetic import check_tensor_parallel
+from minivllm.models.arithmetic import check_tensor_parallel, request_flops
 from minivllm.models.llama import ModelConfig
 from minivllm.simulator.acceptance import AcceptanceProfile
 from minivllm.simulator.clock import SimClock
@@ -145,6 +145,9 @@ def simulate(
         block_size=config.block_size,
         num_preemptions=sum(r.engine.scheduler.num_preemptions for r in replicas),
     )
+    summary.model_flops = sum(
+        request_flops(deployment.model, r.num_prompt_tokens, r.num_output_tokens) for r in results
+    )  # the bench's useful work, so its "model GFLOP/s" row compares
     return BenchRun(
         name or config.scheduling_policy,
         summary,
