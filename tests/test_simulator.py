@@ -178,6 +178,10 @@ def test_bad_presets_are_argparse_errors_listing_the_choices(flags, message, cap
         (["--tensor-parallel-size", "1024"], "tensor_parallel_size=1024"),
         (["--acceptance-rate", "0.5"], "--acceptance-rate needs --speculative-config"),
         (
+            ["--speculative-config", '{"num_speculative_tokens": 3}'],  # static too, by default
+            "speculative decoding needs the continuous scheduling policy",
+        ),
+        (
             [
                 "--policy",
                 "continuous",
