@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minivllm.models import arithmetic
-from minivllm.models.arithmetic import kv_bytes_per_token
 from minivllm.models.llama import ModelConfig
 from minivllm.simulator.hardware import Hardware
 
@@ -91,11 +90,11 @@ def weight_bytes(
 
 def kv_read_bytes(model: ModelConfig, chunk: ChunkShape, dtype_bytes: int, tp: int = 1) -> int:
     """Attention reads the chunk's whole context from the cache once."""
-    return chunk.context_len * kv_bytes_per_token(model, dtype_bytes, tp)
+    return chunk.context_len * arithmetic.kv_bytes_per_token(model, dtype_bytes, tp)
 
 
 def kv_write_bytes(model: ModelConfig, chunk: ChunkShape, dtype_bytes: int, tp: int = 1) -> int:
-    return chunk.num_tokens * kv_bytes_per_token(model, dtype_bytes, tp)
+    return chunk.num_tokens * arithmetic.kv_bytes_per_token(model, dtype_bytes, tp)
 
 
 def step_bytes(model: ModelConfig, step: StepShape, dtype_bytes: int, tp: int = 1) -> int:
@@ -103,7 +102,7 @@ def step_bytes(model: ModelConfig, step: StepShape, dtype_bytes: int, tp: int = 
     (`kv_read_bytes` and `kv_write_bytes` summed over the chunks)."""
     weights = weight_bytes(model, dtype_bytes, with_lm_head=step.any_sampled, tp=tp)
     kv_tokens = step.context_tokens + step.num_rows
-    return weights + kv_tokens * kv_bytes_per_token(model, dtype_bytes, tp)
+    return weights + kv_tokens * arithmetic.kv_bytes_per_token(model, dtype_bytes, tp)
 
 
 # --- communication and the step ------------------------------------------------------
