@@ -285,3 +285,25 @@ def test_cli_reports_spec_decode_metrics(tmp_path, capsys):
     assert spec["spec_decode_num_drafts"] > 0 and spec["spec_decode_acceptance_rate"] > 0.8
     assert data["deployment"]["acceptance_profile"]["name"] == "copy-heavy"
     assert data["command"].startswith("minivllm ")
+
+
+def test_acceptance_profiles():
+    import random
+
+    from minivllm.simulator.acceptance import AcceptanceProfile
+
+    geometric = AcceptanceProfile.parse("0.5")
+    assert [geometric.rate_at(i) for i in range(3)] == [0.5, 0.25, 0.125]
+    listed = AcceptanceProfile.parse("0.8,0.4")  # later positions keep halving
+    assert [listed.rate_at(i) for i in range(4)] == [0.8, 0.4, 0.2, 0.1]
+    assert AcceptanceProfile.parse("copy-heavy").rate_per_pos == (0.982, 0.954, 0.922)
+    for bad in ("1.5", "-0.1", "0.3,0.6"):
+        with pytest.raises(ValueError):
+            AcceptanceProfile.parse(bad)
+    # one draw per verification: over many, each position is accepted at its rate
+    rng = random.Random(0)
+    draws = [listed.num_accepted(3, rng) for _ in range(20_000)]
+    for position, rate in enumerate([0.8, 0.4, 0.2]):
+        assert sum(n > position for n in draws) / len(draws) == pytest.approx(rate, abs=0.01)
+    assert {AcceptanceProfile.parse("1").num_accepted(3, rng) for _ in range(10)} == {3}
+    assert {AcceptanceProfile.parse("0").num_accepted(3, rng) for _ in range(10)} == {0}
