@@ -90,6 +90,9 @@ def test_llama_3_1_8b_on_eight_devices():
     assert ar.decode_flops(LLAMA_8B, 1024, tp=8) == (
         2 * 32 * 27_262_976 + 4 * 512 * 1024 * 32 + 2 * 4096 * 16_032
     )
+    assert ar.prefill_flops(LLAMA_8B, 3, tp=8) == (
+        2 * 3 * 32 * 27_262_976 + 4 * 512 * 6 * 32 + 2 * 4096 * 16_032
+    )
 
 
 def test_more_devices_than_kv_heads_replicate_them():
@@ -147,6 +150,9 @@ def test_keys_attended_is_causal():
     assert ar.keys_attended(3) == 1 + 2 + 3
     assert ar.keys_attended(3, start_position=2) == 3 + 4 + 5
     assert ar.keys_attended(1, start_position=9) == 10
+    # counts are exact integers, never floats (FLOPs of long contexts exceed 2^53)
+    assert type(ar.keys_attended(3)) is int
+    assert type(ar.request_flops(LLAMA_8B, 5, 2)) is int
 
 
 def test_tiny_flops_by_hand():
