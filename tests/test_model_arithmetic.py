@@ -150,9 +150,6 @@ def test_keys_attended_is_causal():
     assert ar.keys_attended(3) == 1 + 2 + 3
     assert ar.keys_attended(3, start_position=2) == 3 + 4 + 5
     assert ar.keys_attended(1, start_position=9) == 10
-    # counts are exact integers, never floats (FLOPs of long contexts exceed 2^53)
-    assert type(ar.keys_attended(3)) is int
-    assert type(ar.request_flops(LLAMA_8B, 5, 2)) is int
 
 
 def test_tiny_flops_by_hand():
@@ -232,3 +229,17 @@ def test_smollm2_has_as_many_parameters_as_its_preset(smollm2_path):
     model.process_weights_after_loading(prepack=False)  # tied: one parameter
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert ar.num_parameters(model.config) == ar.num_parameters(MODELS["smollm2-135m"])
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8, 16])
+def test_counts_are_exact_integers(tp):
+    """Never floats, at any split: FLOPs of long contexts exceed 2^53, where a float
+    stops counting exactly."""
+    counts = [
+        ar.kv_heads_per_rank(8, tp), ar.layer_matmul_parameters(LLAMA_8B, tp),
+        ar.layer_parameters(LLAMA_8B, tp), ar.num_parameters(LLAMA_8B, tp),
+        ar.keys_attended(3, 2), ar.attention_flops(LLAMA_8B, 7, tp),
+        ar.decode_flops(LLAMA_8B, 9, tp), ar.prefill_flops(LLAMA_8B, 9, tp),
+        ar.request_flops(LLAMA_8B, 5, 2), ar.kv_bytes_per_token(LLAMA_8B, 2, tp),
+    ]  # fmt: skip
+    assert all(type(count) is int for count in counts)
