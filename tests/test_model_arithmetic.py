@@ -215,9 +215,6 @@ def test_loaded_tiny_checkpoints_have_that_many_parameters(tiny_model_path):
     from minivllm.models.loader import load_model
 
     model, _ = load_model(tiny_model_path, TorchAttentionBackend(), torch.float32, "cpu")
-    # As the checkpoint defines them: on CPU a tied LM head is prepacked beside the
-    # embedding (models/linear.py), a second copy in memory but not a second parameter.
-    model.process_weights_after_loading(prepack=False)
     assert ar.num_parameters(model.config) == sum(p.numel() for p in model.parameters())
 
 
@@ -226,7 +223,6 @@ def test_smollm2_has_as_many_parameters_as_its_preset(smollm2_path):
     from minivllm.models.loader import load_model
 
     model, _ = load_model(smollm2_path, TorchAttentionBackend(), torch.float32, "cpu")
-    model.process_weights_after_loading(prepack=False)  # tied: one parameter
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert ar.num_parameters(model.config) == ar.num_parameters(MODELS["smollm2-135m"])
 

@@ -19,7 +19,6 @@ from minivllm.bench.runner import BenchRun, exact_params
 from minivllm.bench.workloads import BenchRequest, Workload
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
-from minivllm.metrics import StepStats
 from minivllm.models.arithmetic import check_tensor_parallel, request_flops
 from minivllm.models.llama import ModelConfig
 from minivllm.simulator.acceptance import AcceptanceProfile
@@ -28,6 +27,7 @@ from minivllm.simulator.executor import SimulatedExecutor
 from minivllm.simulator.hardware import Hardware
 from minivllm.simulator.models import preset_name
 from minivllm.spec_decode import SpecDecodingStats
+from minivllm.stats import StepStats
 
 ROUTERS = ("round-robin", "least-loaded")
 
