@@ -47,11 +47,9 @@ class UniProcExecutor:
                 f"attention backend {backend_cls.name!r} cannot take multi-token decode "
                 "queries, which speculative decoding needs; choose another backend"
             )
-        model_path = config.model
-        if model_path is None:
-            from minivllm.models.model_files import default_model_path
+        from minivllm.models.model_files import resolve_model_path
 
-            model_path = default_model_path()
+        model_path = resolve_model_path(config.model)
         self.model, hf_config = load_model(model_path, backend_cls(), dtype, self.device)
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(model_path)

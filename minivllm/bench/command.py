@@ -9,7 +9,7 @@ import shlex
 import sys
 from dataclasses import asdict
 
-from minivllm import arg_types
+from minivllm.entrypoints import cli_args
 from minivllm.bench.workloads import Workload
 from minivllm.config import SCHEDULING_POLICIES
 
@@ -19,44 +19,44 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         "--policy",
         "--scheduling-policy",
         default="static,continuous",
-        type=arg_types.comma_list(SCHEDULING_POLICIES, "scheduling policy"),
+        type=cli_args.comma_list(SCHEDULING_POLICIES, "scheduling policy"),
         help="scheduling policies to compare, comma-separated: continuous, static",
     )
     w = bench.add_argument_group("workload")
     w.add_argument(
         "--workload", choices=["synthetic", "shared-prefix", "file"], default="synthetic"
     )
-    w.add_argument("--num-prompts", type=arg_types.positive_int, default=64)
+    w.add_argument("--num-prompts", type=cli_args.positive_int, default=64)
     w.add_argument(
         "--prompt-len",
         default="uniform:16:400",
-        type=arg_types.length_distribution,
+        type=cli_args.length_distribution,
         help="N, uniform:LO:HI or lognormal:MED:SIGMA:LO:HI",
     )
     w.add_argument(
         "--output-len",
         default="uniform:8:128",
-        type=arg_types.length_distribution,
+        type=cli_args.length_distribution,
         help="like --prompt-len",
     )
     w.add_argument(
         "--system-prompt-len",
-        type=arg_types.positive_int,
+        type=cli_args.positive_int,
         default=256,
         help="for --workload shared-prefix",
     )
     w.add_argument(
         "--dataset",
-        type=arg_types.existing_file,
+        type=cli_args.existing_file,
         default=None,
         help="JSONL of prompts, for --workload file",
     )
-    w.add_argument("--workload-seed", type=arg_types.non_negative_int, default=0)
+    w.add_argument("--workload-seed", type=cli_args.non_negative_int, default=0)
     r = bench.add_argument_group("arrivals (default: offline, everything at t=0)")
     r.add_argument(
-        "--request-rate", type=arg_types.rate, default=math.inf, help="Poisson, requests/s"
+        "--request-rate", type=cli_args.rate, default=math.inf, help="Poisson, requests/s"
     )
-    r.add_argument("--max-concurrency", type=arg_types.positive_int, default=None)
+    r.add_argument("--max-concurrency", type=cli_args.positive_int, default=None)
     h = bench.add_argument_group("a running server instead (like `vllm bench serve`)")
     h.add_argument(
         "--base-url",
@@ -79,7 +79,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     o.add_argument("--brief", action="store_true", help="a short table: the key rows only")
     o.add_argument(
         "--threads",
-        type=arg_types.positive_int,
+        type=cli_args.positive_int,
         default=None,
         help="torch CPU threads for every run (default: torch's). On a CPU shared with other "
         "busy processes, 1 avoids threads waiting on each other at every small op",
@@ -98,7 +98,7 @@ def run_bench(args: argparse.Namespace) -> int:
     policies = args.policy
     for policy in policies:
         _engine_config(args, policy)  # a bad option or policy name fails before any work
-    model_path = args.model or _default_model()
+    model_path = _model_path(args.model)
     workload = build_workload(args, *_tokenizer_and_vocab_size(model_path))
     if args.base_url:
         return _run_over_http(args, workload, model_path)
@@ -254,10 +254,10 @@ def _threads(n: int) -> str:
     return "1 thread" if n == 1 else f"{n} threads"
 
 
-def _default_model() -> str:
-    from minivllm.models.model_files import default_model_path
+def _model_path(model: str | None) -> str:
+    from minivllm.models.model_files import resolve_model_path
 
-    return str(default_model_path())
+    return str(resolve_model_path(model))
 
 
 def _context(args, config, workload: Workload, max_model_len: int, num_kv_blocks: int) -> dict:

@@ -9,7 +9,7 @@ import shlex
 import sys
 from dataclasses import asdict, replace
 
-from minivllm import arg_types
+from minivllm.entrypoints import cli_args
 from minivllm.config import SCHEDULING_POLICIES
 from minivllm.simulator.cluster import ROUTERS
 from minivllm.simulator.hardware import HARDWARE_CHOICES
@@ -32,41 +32,41 @@ def add_simulate_arguments(sim: argparse.ArgumentParser) -> None:
     d = sim.add_argument_group("deployment")
     d.add_argument("--hardware", default="h200", choices=HARDWARE_CHOICES)
     d.add_argument("--model", default="llama-3.1-8b", choices=list(MODELS))
-    d.add_argument("--tensor-parallel-size", type=arg_types.positive_int, default=1)
-    d.add_argument("--gpu-memory-utilization", type=arg_types.fraction, default=0.9)
-    d.add_argument("--num-replicas", type=arg_types.positive_int, default=1)
+    d.add_argument("--tensor-parallel-size", type=cli_args.positive_int, default=1)
+    d.add_argument("--gpu-memory-utilization", type=cli_args.fraction, default=0.9)
+    d.add_argument("--num-replicas", type=cli_args.positive_int, default=1)
     d.add_argument("--router", default="round-robin", choices=ROUTERS)
     w = sim.add_argument_group("workload")
-    w.add_argument("--num-prompts", type=arg_types.positive_int, default=1000)
+    w.add_argument("--num-prompts", type=cli_args.positive_int, default=1000)
     w.add_argument(
-        "--request-rate", type=arg_types.rate, default=math.inf, help="Poisson, requests/s"
+        "--request-rate", type=cli_args.rate, default=math.inf, help="Poisson, requests/s"
     )
     w.add_argument(
         "--lengths", default="sharegpt", choices=list(CHAT_LENGTHS), help="length preset"
     )
     w.add_argument(
         "--prompt-len",
-        type=arg_types.length_distribution,
+        type=cli_args.length_distribution,
         default=None,
         help="override: N, uniform:LO:HI, lognormal:...",
     )
     w.add_argument(
         "--output-len",
-        type=arg_types.length_distribution,
+        type=cli_args.length_distribution,
         default=None,
         help="override, like --prompt-len",
     )
-    w.add_argument("--workload-seed", type=arg_types.non_negative_int, default=0)
+    w.add_argument("--workload-seed", type=cli_args.non_negative_int, default=0)
     m = sim.add_argument_group("modes")
     m.add_argument(
         "--search-p99-ttft",
-        type=arg_types.positive_float,
+        type=cli_args.positive_float,
         default=None,
         metavar="SECONDS",
         help="find the fewest replicas whose P99 TTFT at --request-rate is within this",
     )
     m.add_argument(
-        "--max-replicas", type=arg_types.positive_int, default=64, help="for --search-p99-ttft"
+        "--max-replicas", type=cli_args.positive_int, default=64, help="for --search-p99-ttft"
     )
     m.add_argument(
         "--calibrate",
@@ -76,14 +76,12 @@ def add_simulate_arguments(sim: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--policy",
         default="static,continuous",
-        type=arg_types.comma_list(SCHEDULING_POLICIES, "scheduling policy"),
+        type=cli_args.comma_list(SCHEDULING_POLICIES, "scheduling policy"),
         help="comma-separated policies",
     )
     # The engine's own flags, generated from EngineConfig, minus what a simulation has no
     # use for (--model here names a preset, not a checkpoint). Defaults: a GPU server's.
-    from minivllm.config import EngineConfig
-
-    EngineConfig.add_cli_args(sim, exclude=NOT_SIMULATED)
+    cli_args.add_engine_args(sim, exclude=NOT_SIMULATED)
     sim.set_defaults(max_num_seqs=256, max_num_batched_tokens=8192)
     o = sim.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
@@ -186,9 +184,7 @@ def _deployment(args):
 
 def _engine_config(args, policy: str, max_model_len: int):
     """The engine's settings from the flags; no checkpoint (the executor is simulated)."""
-    from minivllm.config import EngineConfig
-
-    return EngineConfig.from_cli_args(
+    return cli_args.engine_config_from_args(
         args, model=None, scheduling_policy=policy, max_model_len=max_model_len
     )
 

@@ -1,9 +1,10 @@
 """``minivllm serve``: an OpenAI-compatible HTTP server on FastAPI + uvicorn.
 
 Routes (vLLM's shapes): POST /v1/completions, POST /v1/chat/completions (JSON or SSE),
-GET /v1/models, /health, /version, /metrics (Prometheus, vLLM's names), and the live page
-GET / with its data at GET /live/state. Bad input is a 400 (404 for an unknown model)
-with ``{"error": {"message", "type", "param", "code"}}``.
+GET /v1/models, /health, /ping, /version, /metrics (Prometheus, vLLM's names), and the live
+page GET / with its data at GET /live/state. Bad input is a 400 (404 for an unknown model)
+with ``{"error": {"message", "type", "param", "code"}}``. With ``--api-key``, as in vLLM,
+only the ``/v1/*`` routes ask for it (``Authorization: Bearer KEY``; else a 401).
 
     python -m minivllm.entrypoints.openai.api_server --port 8000 [engine options]
 """
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import importlib.metadata
 import logging
+import secrets
 import signal
 import socket
 import threading
@@ -38,6 +40,7 @@ from minivllm.entrypoints.openai.protocol import (
     ModelList,
 )
 from minivllm.entrypoints.openai.serving import OpenAIServing
+from minivllm.entrypoints.stats_logger import LoggingStatLogger, startup_summary
 
 logger = logging.getLogger("minivllm.serve")
 
@@ -48,9 +51,10 @@ except importlib.metadata.PackageNotFoundError:  # run from a source tree
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-def build_app(async_llm: AsyncLLM, model_name: str) -> FastAPI:
+def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``async_llm`` under ``model_name``. The caller owns the
-    `AsyncLLM` (and shuts it down)."""
+    `AsyncLLM` (and shuts it down). With ``api_key``, the ``/v1/*`` routes answer 401
+    unless the request carries ``Authorization: Bearer <api_key>``."""
     prometheus_client.disable_created_metrics()  # no `_created` series, as in vLLM
     live = LiveRequests(start_time=time.perf_counter())
     serving = OpenAIServing(async_llm, model_name, live)
@@ -59,6 +63,8 @@ def build_app(async_llm: AsyncLLM, model_name: str) -> FastAPI:
     metrics = ServerMetrics(async_llm, model_name)
     app = FastAPI(title="minivllm", version=VERSION)
     app.state.async_llm = async_llm
+    if api_key is not None:
+        _require_api_key(app, api_key)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -88,6 +94,10 @@ def build_app(async_llm: AsyncLLM, model_name: str) -> FastAPI:
     async def health() -> Response:
         return Response(status_code=200 if async_llm.is_alive else 503)
 
+    @app.get("/ping")  # vLLM's alias of /health (the SageMaker convention)
+    async def ping() -> Response:
+        return await health()
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": VERSION}
@@ -105,6 +115,22 @@ def build_app(async_llm: AsyncLLM, model_name: str) -> FastAPI:
         return live_state(async_llm, live, since)
 
     return app
+
+
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    """vLLM's --api-key: the OpenAI routes need the key; health, metrics and the live page
+    stay open (a load balancer or scraper has no key)."""
+    expected = f"Bearer {api_key}"
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        is_api = request.url.path.startswith("/v1/") or request.url.path == "/v1"
+        if is_api and request.method != "OPTIONS":
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), expected.encode()):
+                message = "Incorrect or missing API key: send Authorization: Bearer <key>"
+                return JSONResponse(error_body(message, 401), status_code=401)
+        return await call_next(request)
 
 
 async def _respond(raw: Request, work) -> Response:
@@ -141,13 +167,25 @@ async def _client_gone(raw: Request) -> None:
 # --- running it ---------------------------------------------------------------------------
 
 
-def serve(engine: LLMEngine, host: str, port: int, model_name: str, log_level="info") -> None:
+def serve(
+    engine: LLMEngine,
+    host: str,
+    port: int,
+    model_name: str,
+    log_level="info",
+    api_key: str | None = None,
+    log_stats: bool = True,
+) -> None:
     """Serve until SIGINT or SIGTERM, then stop the engine thread and return.
 
     uvicorn catches both signals, drains open connections (up to 5 s), and re-raises the
     signal once it has stopped; the handlers below turn that into a normal return."""
     async_llm = AsyncLLM(engine)
-    app = build_app(async_llm, model_name)
+    app = build_app(async_llm, model_name, api_key)
+    for line in startup_summary(engine, model_name, f"http://{host}:{port}"):
+        logger.info(line)
+    if log_stats:
+        LoggingStatLogger(async_llm)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
     )
@@ -213,23 +251,34 @@ def run_serve(args: argparse.Namespace, engine_config) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s")
     engine = LLMEngine(engine_config)
     model_name = args.served_model_name or engine_config.model or DEFAULT_MODEL_NAME
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s")
-    serve(engine, args.host, args.port, model_name, args.log_level)
+    serve(
+        engine,
+        args.host,
+        args.port,
+        model_name,
+        args.log_level,
+        api_key=args.api_key,
+        log_stats=not args.disable_log_stats,
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minivllm.config import EngineConfig
+    from minivllm.entrypoints import cli_args
     from minivllm.entrypoints.openai.cli_args import add_server_arguments
 
-    parser = argparse.ArgumentParser(description="minivllm's OpenAI-compatible server")
+    parser = argparse.ArgumentParser(
+        description="minivllm's OpenAI-compatible server",
+        formatter_class=cli_args.DefaultsHelpFormatter,
+    )
     add_server_arguments(parser)
-    EngineConfig.add_cli_args(parser)
+    cli_args.add_engine_args(parser)
     args = parser.parse_args(argv)
     try:
-        config = EngineConfig.from_cli_args(args)
+        config = cli_args.engine_config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
     return run_serve(args, config)

@@ -14,6 +14,7 @@ REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest
 
 ERROR_TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
