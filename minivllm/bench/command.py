@@ -9,9 +9,9 @@ import shlex
 import sys
 from dataclasses import asdict
 
-from minivllm.entrypoints import cli_args
 from minivllm.bench.workloads import Workload
 from minivllm.config import SCHEDULING_POLICIES
+from minivllm.entrypoints import cli_args
 
 
 def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
@@ -116,6 +116,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     _add_model_flops(runs, model_path)
     context = _context(args, configs[0], workload, max_model_len, num_kv_blocks)
+    # Stated, not implied: prefix caching's default differs by policy (on where it can be).
+    context["prefix_caching"] = {c.scheduling_policy: c.enable_prefix_caching for c in configs}
+    states = [f"{p} {'on' if on else 'off'}" for p, on in context["prefix_caching"].items()]
+    context["title"] += f"\nprefix caching: {', '.join(states)}"
     context["matmul_peak_gflops"] = measure_matmul_peak()
     print()
     print(context["title"])
@@ -123,11 +127,13 @@ def run_bench(args: argparse.Namespace) -> int:
     print("(percentiles: nearest rank, each one a latency some request or token really had)")
     for line in report.conclusions(runs):
         print(line)
-    print(
+    peak = (
         f"\nfp32 matmul peak measured just now: {context['matmul_peak_gflops']:.0f} GFLOP/s "
-        f"({_threads(torch.get_num_threads())}); model GFLOP/s counts useful work only "
-        "(no padding, no recomputation)"
+        f"({_threads(torch.get_num_threads())})"
     )
+    if not args.brief:  # the brief table has no GFLOP/s row to explain
+        peak += "; the model GFLOP/s row counts useful work only (no padding, no recomputation)"
+    print(peak)
     for run in runs:
         if run.spec_decoding is not None:
             print(f"\n{run.name}: {run.spec_decoding.log_line()}")
@@ -214,12 +220,10 @@ def build_workload(args: argparse.Namespace, tokenizer, vocab_size: int) -> Work
 
 
 def _engine_config(args: argparse.Namespace, policy: str, max_model_len: int | None = None):
-    from minivllm.config import EngineConfig
-
     overrides = {"scheduling_policy": policy}
     if max_model_len is not None:
         overrides["max_model_len"] = max_model_len
-    return EngineConfig.from_cli_args(args, **overrides)
+    return cli_args.engine_config_from_args(args, **overrides)
 
 
 def _tokenizer_and_vocab_size(model_path):

@@ -9,8 +9,8 @@ import shlex
 import sys
 from dataclasses import asdict, replace
 
-from minivllm.entrypoints import cli_args
 from minivllm.config import SCHEDULING_POLICIES
+from minivllm.entrypoints import cli_args
 from minivllm.simulator.cluster import ROUTERS
 from minivllm.simulator.hardware import HARDWARE_CHOICES
 from minivllm.simulator.models import MODELS

@@ -16,9 +16,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the name clients send as `model` (default: --model, or the bundled model's)",
     )
-    g.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's)"
-    )
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     g.add_argument(
         "--api-key",
         default=None,
