@@ -284,3 +284,80 @@ def test_startup_summary_and_stats_line(engine):
     )
     assert lines and all(re.fullmatch(pattern, line) for line in lines), lines
     assert any(not line.startswith("Avg prompt throughput: 0.0") for line in lines)
+
+
+# --- output details ------------------------------------------------------------------------
+
+
+def _summary(throughput: float, engine_counters: bool):
+    from minivllm.bench.metrics import LatencyStats, RunSummary
+
+    latency = LatencyStats.of([0.1, 0.2])
+    counters = dict(num_steps=10, padding_waste=0.0, mean_batch_size=2.0, max_batch_size=3)
+    return RunSummary(
+        num_requests=2, duration=1.0, num_prompt_tokens=8, num_output_tokens=4,
+        request_throughput=2.0, output_throughput=throughput, total_token_throughput=12.0,
+        queue_time=latency, ttft=latency, tpot=latency, itl=latency, e2e_latency=latency,
+        **(counters if engine_counters else {}),
+    )  # fmt: skip
+
+
+def test_bench_table_says_which_way_is_better_and_drops_unmeasured_rows():
+    from minivllm.bench.report import format_table
+    from minivllm.bench.runner import BenchRun
+
+    runs = [
+        BenchRun(name, _summary(throughput, True), [], 0.0)
+        for name, throughput in (("static", 4.0), ("continuous", 6.0))
+    ]
+    rows = {line.split("  ")[0]: line.split() for line in format_table(runs).splitlines()[2:]}
+    assert rows["output tokens/s"][-2:] == ["1.50x", "higher"]
+    assert rows["duration (s)"][-1] == "lower" and rows["engine steps"][-1] == "1.00x"
+    assert "model GFLOP/s (useful work)" not in rows  # no run counted FLOPs
+    # A server benchmarked over HTTP: no engine counters, so no rows of "-".
+    http_run = [BenchRun("server", _summary(4.0, False), [], 0.0)]
+    table = format_table(http_run)
+    assert "padding waste" not in table and "engine steps" not in table
+    assert all(line.split()[-1] != "-" for line in table.splitlines()[2:]), table
+
+
+def test_the_live_list_agrees_with_the_queue_counts():
+    from minivllm.entrypoints.async_llm import StepRecord
+    from minivllm.entrypoints.live import LiveRequests
+    from minivllm.metrics import StepStats
+
+    live = LiveRequests(start_time=0.0)
+    for request_id in ("a", "b", "c"):
+        live.add(request_id, SamplingParams(max_tokens=4), "w1")
+
+    def step(prefill=(), decode=(), preempted=()):
+        stats = StepStats(0.0, 1.0, 8, 1, 0, 2, 1, 0, 4, 9, list(prefill), list(decode),
+                          [], list(preempted))  # fmt: skip
+        live.on_step(StepRecord(1, stats), [])
+
+    step(prefill=["a"])  # a long prompt's first chunk: no output yet, but running
+    assert [r.status for r in live.requests.values()] == ["running", "waiting", "waiting"]
+    step(decode=["a"], prefill=["b"], preempted=["a"])
+    assert [r.status for r in live.requests.values()] == ["waiting", "running", "waiting"]
+    live.requests["b"].status = "stop"
+    step(decode=["b"])  # a late step never revives a finished request
+    assert live.requests["b"].status == "stop"
+
+
+def test_make_demo_installs_only_what_the_demo_runs():
+    import tomllib
+
+    root = PACKAGE.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    demo = " ".join(extras["demo"])
+    for heavy in ("mkdocs", "jupyter", "nbclient", "mutmut", "nvidia", "pytest", "fastapi"):
+        assert heavy not in demo and all(
+            heavy not in r for e in ("gguf", "bench") for r in extras[e]
+        )
+    makefile = (root / "Makefile").read_text()
+    demo_recipe = makefile.split("$(DEMO_INSTALLED): pyproject.toml", 1)[1].split("\n\n", 1)[0]
+    assert 'pip install -q -e ".[demo]"' in demo_recipe
+    assert re.search(r"^\$\(MODEL_STAMP\): \$\(DEMO_INSTALLED\)$", makefile, re.M)
+    assert re.search(r"^demo: \$\(MODEL_STAMP\)$", makefile, re.M)
