@@ -55,10 +55,10 @@ DEMO_WORKLOAD := --num-prompts 24 --prompt-len lognormal:48:0.8:16:384 \
 	--output-len lognormal:24:0.6:8:64 --max-model-len 512 \
 	--attention-backend numba-cpu --threads $(DEMO_THREADS) --brief
 demo: $(MODEL_STAMP)
-	@echo "make demo: answers print as each request finishes (one batch), then four benchmark runs."
 	@echo "make demo: four benchmark runs after two questions; 1.4 min measured on an idle 2-core"
 	@echo "machine, 6.5 min when other busy processes shared its cores. Progress below."
-	@echo "== Two questions, answered with the model's chat template"
+	@echo "== Two questions, answered with the model's chat template (one batch: each answer"
+	@echo "   prints when it finishes, so the shorter one may come first)"
 	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/minivllm generate --max-tokens 48 \
 		"What is continuous batching?" "Write a haiku about the sea."
 	@echo "== (1) Same batch cap (4 requests), plenty of KV memory: padding and waiting"

@@ -361,3 +361,41 @@ def test_make_demo_installs_only_what_the_demo_runs():
     assert 'pip install -q -e ".[demo]"' in demo_recipe
     assert re.search(r"^\$\(MODEL_STAMP\): \$\(DEMO_INSTALLED\)$", makefile, re.M)
     assert re.search(r"^demo: \$\(MODEL_STAMP\)$", makefile, re.M)
+
+
+# --- the docs site from a fresh clone -------------------------------------------------------
+
+DOCS = PACKAGE.parent / "docs"
+
+
+def test_every_chapter_figure_from_a_notebook_is_a_labelled_pinned_run():
+    import json
+
+    provenance = json.loads((DOCS / "assets" / "figures" / "provenance.json").read_text())
+    pinned = {name for record in provenance.values() for name in record["figures"]}
+    for record in provenance.values():
+        assert record["threads"] == 1 and record["machine"] and record["date_utc"]
+        assert isinstance(record["load_average"], float)
+    shown = {
+        name
+        for page in DOCS.rglob("*.md")
+        for name in re.findall(r"assets/figures/([a-z0-9-]+)\.png", page.read_text())
+    }
+    assert shown and shown <= pinned, f"figures with no pinned run: {shown - pinned}"
+    for name in pinned:
+        assert (DOCS / "assets" / "figures" / f"{name}.png").is_file(), name
+    sources = "".join(p.read_text() for p in (PACKAGE.parent / "notebooks").glob("[0-9]*.py"))
+    assert all(f'"figure-{name}"' in sources for name in pinned)  # a cell still draws it
+
+
+def test_every_notebook_has_a_pinned_executed_copy_without_errors():
+    import nbformat
+
+    sources = sorted((PACKAGE.parent / "notebooks").glob("[0-9][0-9]_*.py"))
+    assert sources
+    for source in sources:
+        notebook = nbformat.read(DOCS / "notebooks" / f"{source.stem}.ipynb", as_version=4)
+        code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+        assert all(cell.get("execution_count") for cell in code), f"{source.stem}: not run"
+        outputs = [output for cell in code for output in cell.get("outputs", [])]
+        assert not [o for o in outputs if o.get("output_type") == "error"], source.stem

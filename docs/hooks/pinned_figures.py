@@ -24,11 +24,11 @@ FIGURE_PARAGRAPH = re.compile(
 
 CAPTION = {
     "en": "Measured {date_utc} UTC on {machine} (load average {load_average} when it "
-    "started), {threads} thread(s), by notebook {number}'s pinned run "
-    "(<code>{command}</code>); its workload is seeded.",
+    "started), {threads_en}, by notebook {number}'s pinned run (<code>{command}</code>); "
+    "its workload is seeded.",
     "zh": "测量于 {date_utc} UTC，{machine}（开始时 load average 为 {load_average}），"
     "{threads} 个线程，来自 notebook {number} 的固定运行（<code>{command}</code>）；"
-    "负载固定了种子。",
+    "工作负载固定了随机种子。",
 }
 
 _by_figure: dict[str, dict] = {}
@@ -40,7 +40,12 @@ def on_config(config):
     _by_figure.clear()
     for notebook, record in records.items():
         for figure in record["figures"]:
-            _by_figure[figure] = {**record, "number": str(int(notebook[:2]))}
+            threads_en = "one thread" if record["threads"] == 1 else f"{record['threads']} threads"
+            _by_figure[figure] = {
+                **record,
+                "number": str(int(notebook[:2])),
+                "threads_en": threads_en,
+            }
     return config
 
 

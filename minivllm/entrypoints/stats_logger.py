@@ -74,23 +74,28 @@ def _speculative(config) -> str:
 
 class LoggingStatLogger:
     """Logs the stats line at most every ``interval_s`` seconds, after a step (an idle
-    server stays quiet). Throughputs are averages over the time since the last line."""
+    server stays quiet). Throughputs are averages over the time since the last line, or,
+    after a pause longer than the interval, since the step that ended it: idle time does
+    not dilute them."""
 
     def __init__(self, async_llm: AsyncLLM, interval_s: float = LOG_INTERVAL_S, log=None):
         self._engine = async_llm.engine
         self._interval_s = interval_s
         self._log = log or logger.info
-        self._last_time = time.monotonic()
+        self._last_time = self._last_step_time = time.monotonic()
         self._prompt_tokens = 0
         self._generation_tokens = 0
         async_llm.step_listeners.append(self.on_step)
 
     def on_step(self, record: StepRecord, outputs: list[RequestOutput]) -> None:
         """Engine thread, after each step."""
+        now = time.monotonic()
+        if now - self._last_step_time > self._interval_s:  # the first step after a pause
+            self._last_time = now - (record.stats.end_time - record.stats.start_time)
+        self._last_step_time = now
         self._prompt_tokens += record.stats.num_prefill_tokens
         # Each output carries the tokens its request got since its last output.
         self._generation_tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
-        now = time.monotonic()
         if now - self._last_time >= self._interval_s:
             for line in self.lines(record, now - self._last_time):
                 self._log(line)
