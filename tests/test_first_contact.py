@@ -185,8 +185,8 @@ def test_another_hub_id_is_refused_with_how_to_fetch_it():
     assert "'meta-llama/Llama-3.2-1B'" in message
     assert "huggingface-cli download meta-llama/Llama-3.2-1B --local-dir" in message
     assert "--model ./Llama-3.2-1B" in message
-    with pytest.raises(ValueError, match="no such checkpoint folder"):
-        model_files.resolve_model_path("./nowhere/at/all")
+    # Any other path is the loader's to check (it names what is missing).
+    assert model_files.resolve_model_path("./nowhere/at/all") == Path("nowhere/at/all")
 
 
 # --- minivllm serve ------------------------------------------------------------------------
