@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Types parse and refuse what no setting accepts; SamplingParams checks the ranges.
     gen.add_argument("--max-tokens", type=cli_args.positive_int, default=64)
     gen.add_argument(
-        "--temperature", type=cli_args.finite_float, default=0.0, help="0 = greedy (default)"
+        "--temperature", type=cli_args.finite_float, default=0.0, help="0 = greedy (default: 0.0)"
     )
     gen.add_argument("--top-p", type=cli_args.finite_float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -136,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from minivllm.entrypoints.openai.cli_args import add_server_arguments
 
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (like `vllm serve`)")
+    serve = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (like `vllm serve`)", **formatter
+    )
     add_server_arguments(serve)
     cli_args.add_engine_args(serve)
     serve.set_defaults(func=_serve)

@@ -95,8 +95,8 @@ def test_help_shows_every_default_and_names_only_real_flags(command, monkeypatch
             continue
         if isinstance(action, argparse._HelpAction):
             continue
-        formatted = cli_args.DefaultsHelpFormatter("x")._get_help_string(action)
-        assert "default" in formatted, f"{command} {action.option_strings[0]}: {formatted!r}"
+        formatted = parser._get_formatter()._format_action(action)
+        assert "(default: " in formatted, f"{command} {action.option_strings[0]}: {formatted!r}"
     named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", text))
     assert named <= options, f"{command} --help names flags it lacks: {named - options}"
 
@@ -156,6 +156,14 @@ def test_generate_threads_flag(tiny_llama_path, monkeypatch):
     assert main([*argv, "--threads", "1", "--attention-backend", "torch"]) == 0
     assert calls == [1]
     assert main([*argv, "--threads", "0"]) == 2
+
+
+def test_generate_says_answers_print_as_they_finish(tiny_llama_path, capsys):
+    argv = ["generate", "w5 w6", "w7", "--model", str(tiny_llama_path), "--max-tokens", "2"]
+    assert main([*argv, "--attention-backend", "torch"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("(the prompts run as one batch; each answer prints when it finishes)")
+    assert out.count("--- [") == 2
 
 
 def test_generate_reports_speculative_acceptance(tiny_llama_path, capsys):

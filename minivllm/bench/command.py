@@ -56,7 +56,12 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--request-rate", type=cli_args.rate, default=math.inf, help="Poisson, requests/s"
     )
-    r.add_argument("--max-concurrency", type=cli_args.positive_int, default=None)
+    r.add_argument(
+        "--max-concurrency",
+        type=cli_args.positive_int,
+        default=None,
+        help="most requests in flight at once (default: no limit)",
+    )
     h = bench.add_argument_group("a running server instead (like `vllm bench serve`)")
     h.add_argument(
         "--base-url",

@@ -10,6 +10,7 @@ command-line only (types, aliases, choices) lives here, the help text on the fie
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -20,11 +21,18 @@ from minivllm.sampling_params import SEED_RANGE
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` shows every option's default, unless its help already says it."""
+    """``--help`` shows every option's default, unless its help already says it; an
+    option without help text still gets its default (argparse would print nothing)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.option_strings and not action.help and action.default is not argparse.SUPPRESS:
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
-        if "default" in help_text or action.default is argparse.SUPPRESS:
+        if "(default" in help_text or action.default is argparse.SUPPRESS:
             return help_text
         if not action.option_strings:  # a positional argument has no default to show
             return help_text
