@@ -86,6 +86,7 @@ def add_simulate_arguments(sim: argparse.ArgumentParser) -> None:
     o = sim.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     o.add_argument("--plot", default=None, metavar="DIR", help="write timeline/batch/CDF PNGs")
+    o.add_argument("--brief", action="store_true", help="a short table: the key rows only")
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -108,7 +109,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     context = _context(args, configs[0], deployment, workload, runs[0].num_kv_blocks)
     print()
     print(context["title"])
-    print(report.format_table(runs))
+    print(report.format_table(runs, brief=args.brief))
     if args.json:
         report.write_json(args.json, runs, context)
         print(f"\nJSON: {args.json}")
@@ -197,8 +198,9 @@ def _context(args, config, deployment, workload, num_kv_blocks: int) -> dict:
     )
     blocks_per_region = -(-config.max_model_len // config.block_size)
     title = (
-        f"simulated: {deployment.model.name} on {deployment.num_replicas} x "
-        f"{deployment.tensor_parallel_size} x {deployment.hardware.name} ({deployment.router}) | "
+        f"simulated: {deployment.model.name} on {deployment.num_replicas} replica(s) of "
+        f"{deployment.tensor_parallel_size} {deployment.hardware.name} (tensor parallel), "
+        f"router {deployment.router} | "
         f"max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
         f"{config.max_num_batched_tokens}, max_model_len {config.max_model_len}, "
         f"{num_kv_blocks} KV blocks x {config.block_size} per replica (static: "
