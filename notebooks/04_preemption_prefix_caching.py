@@ -54,7 +54,7 @@ def make_engine(enable_prefix_caching: bool = False, **options) -> LLMEngine:
         max_num_batched_tokens=256, enable_prefix_caching=enable_prefix_caching, **options
     )
     engine = LLMEngine(config)
-    engine.step_log = []  # record a StepStats per step (minivllm/metrics.py)
+    engine.step_log = []  # record a StepStats per step (minivllm/stats.py)
     return engine
 
 

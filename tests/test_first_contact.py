@@ -332,7 +332,7 @@ def test_bench_table_says_which_way_is_better_and_drops_unmeasured_rows():
 def test_the_live_list_agrees_with_the_queue_counts():
     from minivllm.entrypoints.async_llm import StepRecord
     from minivllm.entrypoints.live import LiveRequests
-    from minivllm.metrics import StepStats
+    from minivllm.stats import StepStats
 
     live = LiveRequests(start_time=0.0)
     for request_id in ("a", "b", "c"):

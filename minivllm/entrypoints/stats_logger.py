@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from minivllm.engine import LLMEngine
 from minivllm.entrypoints.async_llm import AsyncLLM, StepRecord
 from minivllm.outputs import RequestOutput
+from minivllm.stats import StepStats
 
 logger = logging.getLogger("minivllm.serve")
 
@@ -25,21 +26,28 @@ LOG_INTERVAL_S = 10.0  # vLLM's VLLM_LOG_STATS_INTERVAL default
 
 
 @dataclass
-class EngineCounters:
-    """The engine's running totals the stats line reads (a snapshot between steps)."""
+class StepCounts:
+    """What the stats line reads off one step."""
 
-    prefix_cache_queries: int
-    prefix_cache_hits: int
+    num_prompt_tokens: int  # prompts whose prefill completed this step (vLLM's count)
+    num_generation_tokens: int  # output tokens the requests kept this step
+    num_running: int
+    num_waiting: int  # preempted ones included, as vLLM's "Waiting"
+    kv_cache_usage: float  # fraction of the KV blocks in use
+    prefix_cache_hit_rate: float  # since the engine started (or the cache's last reset)
     spec_decode_line: str | None  # vLLM's "SpecDecoding metrics: ..." or None when off
 
 
-def read_engine_counters(engine: LLMEngine) -> EngineCounters:
-    """The one place the stats line reads the engine's counters (via `LLMEngine.stats`)."""
-    stats = engine.stats()
-    spec = engine.spec_decoding_stats
-    return EngineCounters(
-        prefix_cache_queries=stats["prefix_cache_query_tokens"],
-        prefix_cache_hits=stats["prefix_cache_hit_tokens"],
+def read_step(stats: StepStats) -> StepCounts:
+    """The one place the stats line reads the engine: its per-step snapshot."""
+    spec = stats.spec_decoding
+    return StepCounts(
+        num_prompt_tokens=stats.num_prompt_tokens,
+        num_generation_tokens=stats.num_generation_tokens,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting + stats.num_preempted,
+        kv_cache_usage=stats.num_kv_blocks_used / max(stats.num_kv_blocks, 1),
+        prefix_cache_hit_rate=stats.prefix_cache.hit_rate,
         spec_decode_line=spec.log_line() if spec is not None else None,
     )
 
@@ -79,7 +87,6 @@ class LoggingStatLogger:
     not dilute them."""
 
     def __init__(self, async_llm: AsyncLLM, interval_s: float = LOG_INTERVAL_S, log=None):
-        self._engine = async_llm.engine
         self._interval_s = interval_s
         self._log = log or logger.info
         self._last_time = self._last_step_time = time.monotonic()
@@ -93,27 +100,23 @@ class LoggingStatLogger:
         if now - self._last_step_time > self._interval_s:  # the first step after a pause
             self._last_time = now - (record.stats.end_time - record.stats.start_time)
         self._last_step_time = now
-        self._prompt_tokens += record.stats.num_prefill_tokens
-        # Each output carries the tokens its request got since its last output.
-        self._generation_tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+        counts = read_step(record.stats)
+        self._prompt_tokens += counts.num_prompt_tokens
+        self._generation_tokens += counts.num_generation_tokens
         if now - self._last_time >= self._interval_s:
-            for line in self.lines(record, now - self._last_time):
+            for line in self.lines(counts, now - self._last_time):
                 self._log(line)
             self._last_time = now
             self._prompt_tokens = self._generation_tokens = 0
 
-    def lines(self, record: StepRecord, elapsed_s: float) -> list[str]:
-        step = record.stats
-        counters = read_engine_counters(self._engine)
-        hit_rate = counters.prefix_cache_hits / max(counters.prefix_cache_queries, 1)
+    def lines(self, counts: StepCounts, elapsed_s: float) -> list[str]:
         lines = [
             f"Avg prompt throughput: {self._prompt_tokens / elapsed_s:.1f} tokens/s, "
             f"Avg generation throughput: {self._generation_tokens / elapsed_s:.1f} tokens/s, "
-            f"Running: {step.num_running} reqs, "
-            f"Waiting: {step.num_waiting + step.num_preempted} reqs, "
-            f"GPU KV cache usage: {step.num_kv_blocks_used / self._engine.num_kv_blocks:.1%}, "
-            f"Prefix cache hit rate: {hit_rate:.1%}"
+            f"Running: {counts.num_running} reqs, Waiting: {counts.num_waiting} reqs, "
+            f"GPU KV cache usage: {counts.kv_cache_usage:.1%}, "
+            f"Prefix cache hit rate: {counts.prefix_cache_hit_rate:.1%}"
         ]
-        if counters.spec_decode_line is not None:
-            lines.append(counters.spec_decode_line)
+        if counts.spec_decode_line is not None:
+            lines.append(counts.spec_decode_line)
         return lines
