@@ -18,7 +18,9 @@ class LLM:
     ``LLM()`` loads the bundled SmolLM2-135M-Instruct; ``LLM(model="path")`` any local
     Llama / Mistral / Qwen2 / Qwen3 checkpoint. Keyword options are `EngineConfig`'s
     (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``max_model_len``, ``attention_backend``, ``dtype``, ``device``, ``seed``, ...).
+    ``max_model_len``, ``attention_backend``, ``dtype``, ``device``, ``seed``,
+    ``tensor_parallel_size``, ...). ``tensor_parallel_size=2`` splits the model across two
+    worker processes; `close()` stops them (so do garbage collection and interpreter exit).
     """
 
     def __init__(self, model: str | None = None, **options) -> None:
@@ -27,6 +29,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
+
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); a no-op otherwise."""
+        self.llm_engine.close()
 
     def generate(
         self,

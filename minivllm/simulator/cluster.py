@@ -20,6 +20,7 @@ from minivllm.bench.workloads import BenchRequest, Workload
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.metrics import StepStats
+from minivllm.model_info import ModelInfo
 from minivllm.simulator.clock import SimClock
 from minivllm.simulator.executor import SimulatedExecutor
 from minivllm.simulator.hardware import Hardware
@@ -95,7 +96,11 @@ def build_replica(config: EngineConfig, deployment: Deployment) -> Replica:
         deployment.tensor_parallel_size,
         deployment.gpu_memory_utilization,
     )
-    return Replica(LLMEngine(config, executor=executor, clock=clock), clock, executor)
+    # Prompts are token ids and outputs placeholders: no tokenizer; EOS is never reached
+    # (every request has ignore_eos).
+    model_info = ModelInfo(executor.model_config, tokenizer=None, eos_token_ids=frozenset())
+    engine = LLMEngine(config, executor=executor, clock=clock, model_info=model_info)
+    return Replica(engine, clock, executor)
 
 
 def simulate(

@@ -44,7 +44,6 @@ class SimulatedExecutor:
         self.clock = clock
         self.tensor_parallel_size = tensor_parallel_size
         self.model_config = model.to_model_config()
-        self.eos_token_ids: frozenset[int] = frozenset()  # never reached: ignore_eos
         self.device = torch.device("cpu")  # where per-request generators would live
         self.kv_pool: KVPoolSizing = size_kv_pool(
             model,
@@ -67,8 +66,8 @@ class SimulatedExecutor:
         self.max_model_len = resolve_max_model_len(config, self.model_config, self.num_kv_blocks)
         self.step_costs: list[StepCost] | None = None  # set to [] to record every step
 
-    def get_tokenizer(self) -> None:
-        return None  # prompts are token ids; outputs are placeholders
+    def shutdown(self) -> None:
+        pass  # nothing to release
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         chunks = [
