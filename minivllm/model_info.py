@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minivllm.models.llama import ModelConfig
-from minivllm.models.loader import load_hf_config, load_tokenizer, model_config_from_hf
+from minivllm.models.loader import load_model_config, load_tokenizer
 
 
 @dataclass
@@ -25,10 +25,9 @@ class ModelInfo:
     @classmethod
     def load(cls, model_path: str | Path) -> ModelInfo:
         """Read the checkpoint's config, tokenizer and generation config; no weights."""
-        hf_config = load_hf_config(model_path)
+        model_config, hf_config = load_model_config(model_path)
         tokenizer = load_tokenizer(model_path)
-        eos_token_ids = _eos_token_ids(model_path, hf_config, tokenizer)
-        return cls(model_config_from_hf(hf_config), tokenizer, eos_token_ids)
+        return cls(model_config, tokenizer, _eos_token_ids(model_path, hf_config, tokenizer))
 
 
 def resolve_model_path(model: str | None) -> str:
