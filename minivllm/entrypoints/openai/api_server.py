@@ -216,7 +216,10 @@ def run_serve(args: argparse.Namespace, engine_config) -> int:
     engine = LLMEngine(engine_config)
     model_name = args.served_model_name or engine_config.model or DEFAULT_MODEL_NAME
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s")
-    serve(engine, args.host, args.port, model_name, args.log_level)
+    try:
+        serve(engine, args.host, args.port, model_name, args.log_level)
+    finally:
+        engine.close()  # tensor-parallel workers leave with the server
     return 0
 
 
