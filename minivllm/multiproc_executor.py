@@ -55,6 +55,7 @@ class StepTiming:
     total_seconds: float  # send, every rank's step, and the replies
     execute_seconds: float  # rank 0 inside the model runner, collectives included
     comm_seconds: float  # rank 0 inside all-reduces and the logits gather
+    payload_bytes: int  # the pickled chunks sent to each worker
 
     @property
     def compute_seconds(self) -> float:
@@ -113,7 +114,7 @@ class MultiprocExecutor:
             if chunk.request_id in first.generator_states:
                 chunk.generator.set_state(first.generator_states[chunk.request_id])
         self.last_step_timing = StepTiming(
-            time.perf_counter() - start, first.execute_seconds, first.comm_seconds
+            time.perf_counter() - start, first.execute_seconds, first.comm_seconds, len(payload)
         )
         return first.output
 
