@@ -3,7 +3,10 @@
     python benchmarks/tensor_parallel.py [--tp 1 2 3] [--batch 8] [--prompt-len 64]
         [--decode-steps 16] [--prefill-tokens 256]
 
-SmolLM2-135M (the default model) on this CPU, for each tensor-parallel size: the median
+A model of SmolLM2-135M's sizes (30 layers, hidden 576, intermediate 1536, vocabulary
+49152) with random weights and 12 query / 6 KV heads of 48 dimensions instead of 9 / 3
+of 64, so that both 2 and 3 ranks can split it (``--model`` takes a real checkpoint), on
+this CPU, for each tensor-parallel size: the median
 decode step (``--batch`` sequences, one token each: memory-bound) and the median prefill
 step (``--prefill-tokens`` prompt tokens in one step: compute-bound), split as rank 0 sees
 it into *compute* (its slice of the matmuls and attention), *all-reduce* (the 2 per layer
@@ -20,8 +23,11 @@ the bytes each rank all-reduces per step (``(2 * layers + 1) * tokens * hidden *
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,6 +35,21 @@ from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.executor import UniProcExecutor
 from minivllm.model_info import ModelInfo, resolve_model_path
 from minivllm.multiproc_executor import MultiprocExecutor, StepTiming
+
+
+def smollm2_sized_checkpoint(path: Path) -> str:
+    """Random weights, SmolLM2-135M's sizes, heads that 1, 2 and 3 ranks all divide."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not (path / "config.json").is_file():
+        config = LlamaConfig(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+            num_attention_heads=12, num_key_value_heads=6, max_position_embeddings=8192,
+            tie_word_embeddings=True, rope_theta=100000.0,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
 
 
 def timed_in_process(executor: UniProcExecutor) -> list[StepTiming]:
@@ -113,7 +134,7 @@ def all_reduce_bytes(model_config, num_tokens: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="default: the bundled SmolLM2")
+    parser.add_argument("--model", default=None, help="default: random, SmolLM2-sized")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -123,12 +144,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)  # the in-process engine gets what one worker gets
+    if args.model is None:
+        args.model = smollm2_sized_checkpoint(Path(tempfile.gettempdir()) / "tp-bench-model")
 
     model_config = ModelInfo.load(resolve_model_path(args.model)).model_config
     runs = [("1 (in-process)", 1, True)] if 1 in args.tp else []
     runs += [(f"{tp}" if tp > 1 else "1 (one worker)", tp, False) for tp in args.tp]
-    print(f"{model_config.num_layers} layers, hidden {model_config.hidden_size}; "
-          f"{torch.get_num_threads()} torch thread per process")  # fmt: skip
+    print(f"{model_config.num_layers} layers, hidden {model_config.hidden_size}, "
+          f"{model_config.num_heads} / {model_config.num_kv_heads} heads; "
+          f"{torch.get_num_threads()} torch thread per process; {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     header = "| tp | step | total ms | compute ms | all-reduce ms | transfer ms | payload B |"
     print(header + " all-reduce B/rank |")
     print("|" + " --- |" * 8)
