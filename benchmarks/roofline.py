@@ -159,16 +159,15 @@ def unoptimized(model: CausalLM):
 
     @contextmanager
     def switched():
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
-        packed = [m.packed_weight for m in linears]
-        for m in linears:
-            m.packed_weight = None
+        packed = [m for m in model.modules() if isinstance(m, Linear) and m.is_prepacked]
+        for m in packed:
+            m.process_weights_after_loading(prepack=False)
         try:
             with numba_kernel_forced(serial=False):
                 yield
         finally:
-            for m, weight in zip(linears, packed):
-                m.packed_weight = weight
+            for m in packed:
+                m.process_weights_after_loading()
 
     return switched
 
