@@ -56,7 +56,9 @@ class LLMEngine:
         self.model_info = model_info or ModelInfo.load(resolve_model_path(config.model))
         self.model_config = self.model_info.model_config
         tokenizer = self.model_info.tokenizer
-        self.executor = executor or make_executor(config, self.model_info.eos_token_ids)
+        if executor is None:
+            executor = make_executor(config, self.model_info.eos_token_ids)
+        self.executor = executor
         ex = self.executor
         self.num_kv_blocks, self.max_model_len = ex.num_kv_blocks, ex.max_model_len
         self.kv_cache_manager = KVCacheManager(
