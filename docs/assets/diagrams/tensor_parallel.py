@@ -22,18 +22,48 @@ SHARED_COLOR, SHARD_COLOR, COMM_COLOR, CACHE_COLOR = "#eef1f8", "#d6e4ff", "#ffd
 # (y, text per rank, color): the rank's own slice of each step, top to bottom.
 ROWS = [
     (11.0, ["hidden [tokens, h]: the same on both ranks"] * 2, SHARED_COLOR),
-    (9.9, ["qkv_proj rows: q heads 0-3, k/v head 0", "qkv_proj rows: q heads 4-7, k/v head 1"],
-     SHARD_COLOR),
-    (8.8, ["KV cache: head 0 only\n(same block tables, same slots)",
-           "KV cache: head 1 only\n(same block tables, same slots)"], CACHE_COLOR),
-    (7.7, ["attention: q heads 0-3 over k/v head 0", "attention: q heads 4-7 over k/v head 1"],
-     SHARD_COLOR),
-    (6.6, ["o_proj columns 0 .. h/2: partial [tokens, h]", "o_proj columns h/2 .. h: partial [tokens, h]"],
-     SHARD_COLOR),
-    (4.6, ["gate_up_proj rows: gate, up features 0 .. I/2",
-           "gate_up_proj rows: gate, up features I/2 .. I"], SHARD_COLOR),
-    (3.5, ["down_proj columns 0 .. I/2: partial [tokens, h]",
-           "down_proj columns I/2 .. I: partial [tokens, h]"], SHARD_COLOR),
+    (
+        9.9,
+        ["qkv_proj rows: q heads 0-3, k/v head 0", "qkv_proj rows: q heads 4-7, k/v head 1"],
+        SHARD_COLOR,
+    ),
+    (
+        8.8,
+        [
+            "KV cache: head 0 only\n(same block tables, same slots)",
+            "KV cache: head 1 only\n(same block tables, same slots)",
+        ],
+        CACHE_COLOR,
+    ),
+    (
+        7.7,
+        ["attention: q heads 0-3 over k/v head 0", "attention: q heads 4-7 over k/v head 1"],
+        SHARD_COLOR,
+    ),
+    (
+        6.6,
+        [
+            "o_proj columns 0 .. h/2: partial [tokens, h]",
+            "o_proj columns h/2 .. h: partial [tokens, h]",
+        ],
+        SHARD_COLOR,
+    ),
+    (
+        4.6,
+        [
+            "gate_up_proj rows: gate, up features 0 .. I/2",
+            "gate_up_proj rows: gate, up features I/2 .. I",
+        ],
+        SHARD_COLOR,
+    ),
+    (
+        3.5,
+        [
+            "down_proj columns 0 .. I/2: partial [tokens, h]",
+            "down_proj columns I/2 .. I: partial [tokens, h]",
+        ],
+        SHARD_COLOR,
+    ),
 ]
 ALL_REDUCES = [(5.6, "all-reduce #1: sum the partials (+ residual)"),
                (2.5, "all-reduce #2: sum the partials (+ residual)")]  # fmt: skip
@@ -60,7 +90,7 @@ def main() -> None:
         box(ax, 5, y, 9.2, 0.55, text, COMM_COLOR, size=9)
     # Arrows down each column, through the all-reduces.
     stops = sorted([y for y, _, _ in ROWS] + [y for y, _ in ALL_REDUCES], reverse=True)
-    for rank, x in RANK_X.items():
+    for x in RANK_X.values():
         for top, bottom in zip(stops, stops[1:]):
             ax.annotate("", (x, bottom + 0.38), (x, top - 0.38),
                         arrowprops=dict(arrowstyle="->", color="#555", lw=0.8))  # fmt: skip
