@@ -34,7 +34,7 @@ from minivllm.models.llama import ModelConfig
 from minivllm.models.loader import load_model_config
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import SchedulerOutput
-from minivllm.worker import READY, WorkerError, WorkerReply, run_worker
+from minivllm.worker import WorkerError, WorkerReply, run_worker
 
 STARTUP_TIMEOUT_S = 600.0  # importing torch and loading a shard, on a busy machine
 STEP_TIMEOUT_S = 600.0  # a step that long means a stuck worker, not a slow one
@@ -76,9 +76,9 @@ class MultiprocExecutor:
         check_split(model_config, tp)  # everything refusable is refused before any process
         checked_backend(config)
         dtype = config.torch_dtype
-        self.device = (
-            torch.device("cuda", 0) if config.torch_device.type == "cuda" else (torch.device("cpu"))
-        )  # rank 0's device: it samples, so the generators live there
+        # Rank 0's device: it samples, so the requests' generators live there.
+        on_cuda = config.torch_device.type == "cuda"
+        self.device = torch.device("cuda", 0) if on_cuda else torch.device("cpu")
         # The memory budget is per device; a rank's block holds only its KV heads.
         rank_shape = replace(
             model_config, num_kv_heads=kv_heads_per_rank(model_config.num_kv_heads, tp)
@@ -93,7 +93,7 @@ class MultiprocExecutor:
         # Stops the workers when this object is collected or the interpreter exits;
         # holds the handles, not self.
         self._finalizer = weakref.finalize(self, stop_workers, self.workers)
-        self._receive({w.rank for w in self.workers}, STARTUP_TIMEOUT_S, "starting")
+        self._receive(STARTUP_TIMEOUT_S, "starting")  # every worker says READY
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if not self._finalizer.alive:
@@ -107,7 +107,7 @@ class MultiprocExecutor:
                 worker.conn.send_bytes(payload)
             except OSError:  # its process is gone; _receive names the cause
                 break
-        replies = self._receive({w.rank for w in self.workers}, STEP_TIMEOUT_S, "running a step")
+        replies = self._receive(STEP_TIMEOUT_S, "running a step")
         first = replies[0]
         # Rank 0 sampled with copies of the requests' generators: keep their advance.
         for chunk in scheduler_output.chunks:
@@ -125,14 +125,14 @@ class MultiprocExecutor:
     def worker_pids(self) -> list[int]:
         return [w.process.pid for w in self.workers]
 
-    def _receive(self, ranks: set[int], timeout_s: float, doing: str) -> dict[int, WorkerReply]:
-        """One reply from each of ``ranks``. A worker that raises, dies or outlasts
+    def _receive(self, timeout_s: float, doing: str) -> dict[int, WorkerReply]:
+        """One reply from every worker, by rank. A worker that raises, dies or outlasts
         ``timeout_s`` stops them all and raises RuntimeError here."""
         replies: dict[int, WorkerReply] = {}
         deadline = time.monotonic() + timeout_s
         by_conn = {w.conn: w for w in self.workers}
         by_sentinel = {w.process.sentinel: w for w in self.workers}
-        while len(replies) < len(ranks):
+        while len(replies) < len(self.workers):
             remaining = deadline - time.monotonic()
             pending = [w.conn for w in self.workers if w.rank not in replies]
             ready = wait(pending + list(by_sentinel), timeout=max(0.0, remaining))
@@ -155,7 +155,7 @@ class MultiprocExecutor:
                         f"tensor-parallel worker {worker.rank} (pid {worker.process.pid}) "
                         f"died with exit code {worker.process.exitcode} while {doing}"
                     )
-        return {rank: reply for rank, reply in replies.items() if reply != READY}
+        return replies
 
     def _recv(self, worker: WorkerHandle, doing: str):
         try:
