@@ -160,7 +160,7 @@ class MultiprocExecutor:
     def _recv(self, worker: WorkerHandle, doing: str):
         try:
             return worker.conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # closed, or reset by a killed process
             worker.process.join(1.0)
             self._fail(
                 f"tensor-parallel worker {worker.rank} (pid {worker.process.pid}) closed "

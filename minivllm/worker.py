@@ -103,7 +103,7 @@ class Worker:
         while True:
             try:
                 scheduler_output = pickle.loads(conn.recv_bytes())
-            except EOFError:  # the engine's process is gone: so are we
+            except (EOFError, OSError):  # the engine's process is gone: so are we
                 return
             if scheduler_output is None:
                 return
