@@ -21,7 +21,7 @@ import pickle
 import socket
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -29,7 +29,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.executor import checked_backend, num_blocks_for_bytes, resolve_max_model_len
 from minivllm.model_info import resolve_model_path
-from minivllm.models.arithmetic import check_tensor_parallel, kv_heads_per_rank
+from minivllm.models.arithmetic import check_tensor_parallel
 from minivllm.models.llama import ModelConfig
 from minivllm.models.loader import load_model_config
 from minivllm.outputs import ModelRunnerOutput
@@ -80,11 +80,8 @@ class MultiprocExecutor:
         on_cuda = config.torch_device.type == "cuda"
         self.device = torch.device("cuda", 0) if on_cuda else torch.device("cpu")
         # The memory budget is per device; a rank's block holds only its KV heads.
-        rank_shape = replace(
-            model_config, num_kv_heads=kv_heads_per_rank(model_config.num_kv_heads, tp)
-        )
         self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_bytes(
-            rank_shape, config.block_size, dtype, config.kv_cache_memory_bytes
+            model_config, config.block_size, dtype, config.kv_cache_memory_bytes, tp
         )
         self.max_model_len = resolve_max_model_len(config, model_config, self.num_kv_blocks)
         self.last_step_timing: StepTiming | None = None

@@ -77,17 +77,20 @@ def test_a_state_dict_loads_into_a_prepacked_layer() -> None:
 
 
 @needs_onednn
-def test_a_tied_weight_is_shared_again_after_unpacking() -> None:
-    """The embedding keeps the row-major matrix for its lookups; going back to F.linear
-    re-ties ``lm_head`` to it instead of making another copy."""
+def test_a_shared_weight_stays_shared_with_its_packed_copy_beside_it() -> None:
+    """A tied ``lm_head``: the embedding keeps the row-major matrix for its lookups, the
+    parameter stays one object (counted once), and the layer multiplies by the copy."""
     embedding = torch.nn.Embedding(10, 4)
     lm_head = make_linear(4, 10, bias=False)
     lm_head.weight = embedding.weight
     lm_head.process_weights_after_loading()
-    assert lm_head.is_prepacked and not embedding.weight.is_mkldnn
-    assert torch.equal(lm_head.state_dict()["weight"], embedding.weight)
+    assert lm_head.is_prepacked and lm_head.weight is embedding.weight
+    assert lm_head.packed_beside is not None and lm_head.packed_beside.is_mkldnn
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        torch.testing.assert_close(lm_head(x), F.linear(x, embedding.weight), atol=1e-5, rtol=1e-5)
     lm_head.process_weights_after_loading(prepack=False)
-    assert lm_head.weight is embedding.weight
+    assert not lm_head.is_prepacked and lm_head.weight is embedding.weight
 
 
 def test_without_onednn_the_layer_is_f_linear(monkeypatch) -> None:
@@ -125,6 +128,9 @@ def test_loaded_model_is_prepacked(tiny_llama_path) -> None:
     model, _ = load_model(tiny_llama_path, get_backend("torch")(), torch.float32, "cpu")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.is_prepacked for m in linears)
-    # One copy of each projection: no row-major matrix is left but the embedding's.
+    # One copy of each projection: no row-major matrix is left but the embedding's (which
+    # a tied lm_head shares, its prepacked copy beside it).
     dense = [name for name, p in model.named_parameters() if p.dim() == 2 and not p.is_mkldnn]
     assert dense == ["embed_tokens.weight"]
+    tied = model.config.tie_word_embeddings
+    assert (model.lm_head.packed_beside is not None) == tied

@@ -16,9 +16,10 @@ gives back the exact original values. The state dict is written in the ordinary 
 and ``process_weights_after_loading(prepack=False)`` turns the layer back into a plain
 one (do that before changing the weight's values, dtype or device).
 
-A weight tied to the input embedding (small models reuse it as ``lm_head``) is the one
-exception: the embedding still needs the row-major matrix for its lookups, so the
-prepacked ``lm_head`` sits beside it, as in vLLM's CPU path.
+A weight shared with another module (small models tie ``lm_head`` to the input embedding)
+is the one exception: the embedding still needs the row-major matrix for its lookups, so
+the shared parameter stays as it is and the prepacked copy sits beside it
+(``packed_beside``), as in vLLM's CPU path.
 """
 
 from __future__ import annotations
@@ -44,52 +45,50 @@ def onednn_linear_available(weight: torch.Tensor) -> bool:
 class Linear(nn.Linear):
     """``nn.Linear`` whose weight may be held in oneDNN's prepacked layout instead."""
 
-    # The row-major weight this layer's prepacked one replaced, while something else (a
-    # tied embedding) keeps it alive: unpacking hands that one back instead of a copy.
-    _row_major: weakref.ref[nn.Parameter] | None = None
+    packed_beside: torch.Tensor | None = None  # the prepacked copy of a shared weight
 
     @property
     def is_prepacked(self) -> bool:
-        return self.weight.is_mkldnn
+        return self.weight.is_mkldnn or self.packed_beside is not None
 
     def process_weights_after_loading(self, prepack: bool = True) -> None:
         """Prepack the weight for oneDNN if possible (``prepack=False``: back to row-major)."""
-        if self.is_prepacked:
-            self._unpack()
+        self._unpack()
         if not (prepack and onednn_linear_available(self.weight)):
             return
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         except RuntimeError:  # a oneDNN build that cannot handle it: keep F.linear
             return
-        self._row_major = weakref.ref(self.weight)
+        row_major = weakref.ref(self.weight)
         self.weight = nn.Parameter(packed, requires_grad=False)  # the row-major copy is freed
+        shared = row_major()
+        if shared is not None:  # ... unless another module holds it too: keep it shared
+            self.weight, self.packed_beside = shared, packed
 
     def _unpack(self) -> None:
-        shared = self._row_major() if self._row_major is not None else None
-        self.weight = shared if shared is not None else nn.Parameter(self.weight.to_dense())
-        self._row_major = None
+        if self.weight.is_mkldnn:
+            self.weight = nn.Parameter(self.weight.to_dense())
+        self.packed_beside = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.is_prepacked:
-            return F.linear(x, self.weight, self.bias)
+        weight = self.weight if self.packed_beside is None else self.packed_beside
+        if not weight.is_mkldnn:
+            return F.linear(x, weight, self.bias)
         if x.dim() != 2:  # oneDNN's op takes rows: flatten the leading dimensions
             return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), self.weight, self.bias, "none", [], ""
-        )
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, self.bias, "none", [], "")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         """The state dict holds the weight in the ordinary row-major layout."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.is_prepacked:
+        if self.weight.is_mkldnn:
             destination[prefix + "weight"] = self.weight.to_dense()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         """Loading a state dict into a prepacked layer: unpack, copy, prepack again."""
         prepacked = self.is_prepacked
-        if prepacked:
-            self._unpack()
+        self._unpack()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if prepacked:
             self.process_weights_after_loading()
