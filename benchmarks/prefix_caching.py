@@ -79,7 +79,7 @@ def main() -> None:
         )
         engines[caching] = LLMEngine(config)
     engine = engines[False]
-    prompts = make_prompts(args, engine.executor.model_config.vocab_size)
+    prompts = make_prompts(args, engine.model_config.vocab_size)
     print(
         f"{args.num_requests} requests: {args.system_prompt_len}-token shared system prompt "
         f"+ {args.user_len} own tokens, {args.output_len} output tokens each; "

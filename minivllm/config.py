@@ -118,6 +118,10 @@ class EngineConfig:
         default="auto",
         metadata={"help": "auto: numba-cpu on CPU when numba is installed, else torch"},
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "worker processes the model is split across (tensor parallelism)"},
+    )
     dtype: str = field(default="auto", metadata={"help": "auto: float32 on CPU, bfloat16 on GPU"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
     seed: int = field(default=0, metadata={"help": "seeds requests that bring no seed"})
@@ -142,7 +146,10 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes")
+        positive = (
+            "block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
+            "tensor_parallel_size",
+        )  # fmt: skip
         for name in positive:
             if not _is_positive_int(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
@@ -179,6 +186,7 @@ class EngineConfig:
             raise ValueError("speculative decoding needs the continuous scheduling policy")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but torch sees no CUDA GPU")
+        self._check_devices_for_ranks()
         # Imported here: the registry imports nothing heavy, but keep config import-light.
         from minivllm.attention import available_backends
 
@@ -186,6 +194,22 @@ class EngineConfig:
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "
                 f"available: auto, {', '.join(available_backends())}"
+            )
+
+    def _check_devices_for_ranks(self) -> None:
+        """On CUDA each tensor-parallel rank takes its own GPU, cuda:0 to cuda:tp-1."""
+        tp = self.tensor_parallel_size
+        if tp == 1 or self.torch_device.type != "cuda":
+            return
+        if self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device {self.device!r} names one GPU, but tensor_parallel_size={tp} "
+                f"ranks take cuda:0 .. cuda:{tp - 1}; pass device='cuda'"
+            )
+        if tp > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs {tp} CUDA devices, torch sees "
+                f"{torch.cuda.device_count()}"
             )
 
     @property

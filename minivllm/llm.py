@@ -19,7 +19,9 @@ class LLM:
     ``LLM()`` loads the bundled SmolLM2-135M-Instruct; ``LLM(model="path")`` any local
     Llama / Mistral / Qwen2 / Qwen3 checkpoint. Keyword options are `EngineConfig`'s
     (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``max_model_len``, ``attention_backend``, ``dtype``, ``device``, ``seed``, ...).
+    ``max_model_len``, ``attention_backend``, ``dtype``, ``device``, ``seed``,
+    ``tensor_parallel_size``, ...). ``tensor_parallel_size=2`` splits the model across two
+    worker processes; `close()` stops them (so do garbage collection and interpreter exit).
 
     ``num_threads`` sets torch's CPU threads for the whole process (``torch.set_num_threads``;
     default: torch's, one per core). On a CPU shared with other busy processes, 1 is often
@@ -36,6 +38,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
+
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); a no-op otherwise."""
+        self.llm_engine.close()
 
     def generate(
         self,

@@ -263,6 +263,7 @@ def _static_page(path: str) -> _Page:
         "tutorial/serving",
         "tutorial/scheduler-queues",
         "tutorial/what-a-gpu-would-do",
+        "tutorial/tensor-parallelism",
     ],
 )
 def test_chinese_pages_show_the_same_measured_tables(path):

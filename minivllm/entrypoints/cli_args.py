@@ -169,6 +169,7 @@ def json_object(text: str) -> dict:
 # ``--field-name``, a positive int for an int, on/off for a bool, text otherwise.
 ENGINE_FLAG_OPTIONS: dict[str, dict] = {
     "kv_cache_memory_bytes": {"aliases": ("--kv-cache-memory",), "type": memory_size},
+    "tensor_parallel_size": {"aliases": ("-tp",)},
     "dtype": {"choices": ("auto", *DTYPES)},
     "seed": {"type": seed},
     "scheduling_policy": {"aliases": ("--policy",), "choices": SCHEDULING_POLICIES},

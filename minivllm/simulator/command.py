@@ -24,6 +24,7 @@ NOT_SIMULATED = (
     "dtype",
     "device",
     "seed",
+    "tensor_parallel_size",  # the deployment's own --tensor-parallel-size below
 )
 TIMELINE_REQUESTS = 60  # the timeline plot draws the first requests only: one row each
 
@@ -32,7 +33,7 @@ def add_simulate_arguments(sim: argparse.ArgumentParser) -> None:
     d = sim.add_argument_group("deployment")
     d.add_argument("--hardware", default="h200", choices=HARDWARE_CHOICES)
     d.add_argument("--model", default="llama-3.1-8b", choices=list(MODELS))
-    d.add_argument("--tensor-parallel-size", type=cli_args.positive_int, default=1)
+    d.add_argument("--tensor-parallel-size", "-tp", type=cli_args.positive_int, default=1)
     d.add_argument("--gpu-memory-utilization", type=cli_args.fraction, default=0.9)
     d.add_argument("--num-replicas", type=cli_args.positive_int, default=1)
     d.add_argument("--router", default="round-robin", choices=ROUTERS)
@@ -203,8 +204,9 @@ def _deployment(args):
 def _engine_config(args, policy: str, max_model_len: int):
     """The engine's settings from the flags; no checkpoint (the executor is simulated)."""
     return cli_args.engine_config_from_args(
-        args, model=None, scheduling_policy=policy, max_model_len=max_model_len
-    )
+        args, model=None, scheduling_policy=policy, max_model_len=max_model_len,
+        tensor_parallel_size=1,  # the simulated executor splits the model, not the engine
+    )  # fmt: skip
 
 
 def _context(args, config, deployment, workload, num_kv_blocks: int) -> dict:

@@ -255,15 +255,18 @@ def run_serve(args: argparse.Namespace, engine_config) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s")
     engine = LLMEngine(engine_config)
     model_name = args.served_model_name or engine_config.model or DEFAULT_MODEL_NAME
-    serve(
-        engine,
-        args.host,
-        args.port,
-        model_name,
-        args.log_level,
-        api_key=args.api_key,
-        log_stats=not args.disable_log_stats,
-    )
+    try:
+        serve(
+            engine,
+            args.host,
+            args.port,
+            model_name,
+            args.log_level,
+            api_key=args.api_key,
+            log_stats=not args.disable_log_stats,
+        )
+    finally:
+        engine.close()  # tensor-parallel workers leave with the server
     return 0
 
 
