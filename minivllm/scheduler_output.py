@@ -25,7 +25,9 @@ class ScheduledChunk:
     ``min_tokens``); False for a prompt chunk that stops mid-prompt.
     Speculative decoding: the last ``num_draft_tokens`` rows are draft tokens, guesses not
     yet known to be right; then the last ``1 + num_draft_tokens`` rows are all sampled
-    and verified against the drafts (spec_decode/rejection_sampler.py)."""
+    and verified against the drafts (spec_decode/rejection_sampler.py).
+    ``prompt_token_ids`` and ``output_token_ids``: the request's tokens so far, filled
+    only when it samples with penalties (the sampler counts them); empty otherwise."""
 
     request_id: str
     token_ids: list[int]
@@ -36,6 +38,8 @@ class ScheduledChunk:
     generator: object | None = None  # torch.Generator of a request that samples randomly
     num_output_tokens: int = 0
     num_draft_tokens: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -78,6 +82,9 @@ class SchedulerOutput:
             generator=seq.generator,
             num_output_tokens=seq.num_output_tokens,
         )
+        if samples and seq.sampling_params.has_penalties:
+            chunk.prompt_token_ids = seq.prompt_token_ids
+            chunk.output_token_ids = seq.output_token_ids
         self.chunks.append(chunk)
         self.scheduled_seqs.append(seq)
         self.num_scheduled_tokens[seq.request_id] = num_new_tokens
