@@ -10,13 +10,16 @@ it cannot run on the event loop. Instead one background thread owns the engine:
     RequestStream ◀── call_soon_threadsafe ─ each RequestOutput to its request's queue
 
 A request that arrives while a step runs waits in the command queue and joins the batch
-at the next step: continuous batching, online. Everything that touches the engine or its
-tokenizer (tokenizing a prompt included) runs on the engine thread.
+at the next step: continuous batching, online. Everything that touches the engine runs on
+the engine thread. Tokenizing a prompt runs on a third thread, the tokenizer thread
+(`run_on_tokenizer_thread`): on the event loop it would stop every stream, on the engine
+thread every step. (Hugging Face's fast tokenizers release the GIL while they encode.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -111,8 +114,18 @@ class AsyncLLM:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self._thread.start()
+        # One thread: prompts are tokenized one at a time, in arrival order.
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="minivllm-tokenizer"
+        )
+        self.max_chars_per_token = _max_chars_per_token(engine.get_tokenizer())
 
     # --- the event-loop side ---------------------------------------------------------------
+
+    async def run_on_tokenizer_thread(self, function: Callable[[], Prompt]) -> Prompt:
+        """``function()`` (which tokenizes a prompt) on the tokenizer thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, function)
 
     async def add_request(
         self, request_id: str, prompt: Prompt | PromptFactory, params: SamplingParams
@@ -166,7 +179,7 @@ class AsyncLLM:
 
     @property
     def tokenizer(self):
-        """The engine's tokenizer: use it only inside a prompt function (engine thread)."""
+        """The engine's tokenizer, for the tokenizer thread and prompt functions."""
         return self.engine.get_tokenizer()
 
     @property
@@ -183,6 +196,7 @@ class AsyncLLM:
         self._stopping = True
         self._wake_up.set()
         self._thread.join(timeout)
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     def _submit(self, command: Callable[[], None]) -> None:
         self._commands.put(command)
@@ -255,6 +269,15 @@ class AsyncLLM:
             self.engine.abort_request(request_id)
             stream.put_threadsafe(error)
         self._streams.clear()
+
+
+def _max_chars_per_token(tokenizer) -> int:
+    """The longest token's length in characters: a text of ``n`` characters has at least
+    ``n / max_chars_per_token`` tokens (for tokenizers whose tokens spell out their text,
+    as byte-level BPE's do). 1 without a tokenizer."""
+    if tokenizer is None:
+        return 1
+    return max(1, max(map(len, tokenizer.get_vocab())))
 
 
 def _call_logged(function: Callable, *args) -> None:

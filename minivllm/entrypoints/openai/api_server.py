@@ -67,7 +67,12 @@ def build_app(async_llm: AsyncLLM, model_name: str) -> FastAPI:
         if any(e["type"] == "json_invalid" for e in errors):
             return JSONResponse(error_body("the body is not valid JSON", 400), status_code=400)
         fields = [".".join(str(p) for p in e["loc"] if p != "body") or "body" for e in errors]
-        message = "; ".join(f"{field}: {e['msg']}" for field, e in zip(fields, errors))
+        message = "; ".join(
+            f"{field} is not supported by minivllm"
+            if e["type"] == "extra_forbidden"  # a field no model here declares
+            else f"{field}: {e['msg']}"
+            for field, e in zip(fields, errors)
+        )
         param = fields[0].split(".")[0] if fields else None
         return JSONResponse(error_body(message, 400, param), status_code=400)
 
