@@ -24,6 +24,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -112,6 +113,9 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._num_steps = 0
         self._stopping = False
+        # Graceful shutdown: no new requests; the engine aborts what is left at the deadline.
+        self._accepting = True
+        self._drain_deadline: float | None = None  # time.monotonic()
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self._thread.start()
         # One thread: prompts are tokenized one at a time, in arrival order.
@@ -137,6 +141,8 @@ class AsyncLLM:
         (which uses the engine's tokenizer) never races with a step."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
+        if not self._accepting:
+            raise EngineDeadError("the server is shutting down")
         stream = RequestStream(request_id, self)
         accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -190,6 +196,18 @@ class AsyncLLM:
     def num_steps(self) -> int:
         return self._num_steps
 
+    def begin_shutdown(self, grace_period: float) -> None:
+        """Graceful shutdown: refuse new requests from now on; the ones in flight may
+        finish for ``grace_period`` seconds, then each is aborted and its stream ends with
+        an EngineDeadError. Safe from any thread, and from a signal handler: it only sets
+        attributes, which the engine thread reads after every step."""
+        self._accepting = False
+        self._drain_deadline = time.monotonic() + grace_period
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread after its current step; unfinished requests end with an
         EngineDeadError."""
@@ -212,6 +230,9 @@ class AsyncLLM:
             # so the wait below cannot miss it.
             self._wake_up.clear()
             self._apply_commands()
+            deadline = self._drain_deadline
+            if deadline is not None and time.monotonic() >= deadline and self._streams:
+                self._fail_all(EngineDeadError("the server shut down before this request finished"))
             if not engine.has_unfinished_requests():
                 self._wake_up.wait()  # idle: sleep, no busy loop
                 continue
@@ -266,7 +287,9 @@ class AsyncLLM:
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, stream in list(self._streams.items()):
-            self.engine.abort_request(request_id)
+            if self.engine.abort_request(request_id):
+                for listener in self.abort_listeners:
+                    _call_logged(listener, request_id)
             stream.put_threadsafe(error)
         self._streams.clear()
 

@@ -46,6 +46,7 @@ try:
 except importlib.metadata.PackageNotFoundError:  # run from a source tree
     VERSION = "0.1.0"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds in-flight requests get to finish on SIGTERM
 
 
 def build_app(async_llm: AsyncLLM, model_name: str) -> FastAPI:
@@ -146,24 +147,59 @@ async def _client_gone(raw: Request) -> None:
 # --- running it ---------------------------------------------------------------------------
 
 
-def serve(engine: LLMEngine, host: str, port: int, model_name: str, log_level="info") -> None:
-    """Serve until SIGINT or SIGTERM, then stop the engine thread and return.
+def serve(
+    engine: LLMEngine,
+    host: str,
+    port: int,
+    model_name: str,
+    log_level="info",
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+) -> None:
+    """Serve until SIGINT or SIGTERM, then shut down gracefully and return.
 
-    uvicorn catches both signals, drains open connections (up to 5 s), and re-raises the
-    signal once it has stopped; the handlers below turn that into a normal return."""
+    On the signal uvicorn stops accepting connections and waits for the open ones; the
+    engine refuses new requests, lets those in flight run for ``shutdown_timeout``
+    seconds, then aborts the rest: each stream ends with an error event, each plain
+    request gets a 503. So every client hears how its request ended, and uvicorn never
+    has to cancel a handler (which would print a traceback per request). uvicorn then
+    re-raises the signal; the handlers below turn that into a normal return."""
     async_llm = AsyncLLM(engine)
     app = build_app(async_llm, model_name)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        # A backstop only: the engine has ended every request by then.
+        timeout_graceful_shutdown=shutdown_timeout + 5,
     )
     previous = signal.signal(signal.SIGTERM, _exit_quietly)
     try:
-        uvicorn.Server(config).run()
+        _GracefulServer(config, async_llm, shutdown_timeout).run()
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
         async_llm.shutdown()
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, which also starts the engine's graceful shutdown on a signal."""
+
+    def __init__(self, config: uvicorn.Config, async_llm: AsyncLLM, grace_period: float):
+        super().__init__(config)
+        self.async_llm = async_llm
+        self.grace_period = grace_period
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            logger.info(
+                "shutting down: %d request(s) in flight get %.0f s to finish",
+                self.async_llm.num_in_flight,
+                self.grace_period,
+            )
+            self.async_llm.begin_shutdown(self.grace_period)
+        super().handle_exit(sig, frame)
 
 
 def _exit_quietly(signum, frame) -> None:
@@ -221,7 +257,7 @@ def run_serve(args: argparse.Namespace, engine_config) -> int:
     engine = LLMEngine(engine_config)
     model_name = args.served_model_name or engine_config.model or DEFAULT_MODEL_NAME
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s")
-    serve(engine, args.host, args.port, model_name, args.log_level)
+    serve(engine, args.host, args.port, model_name, args.log_level, args.shutdown_timeout)
     return 0
 
 

@@ -17,4 +17,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="the name clients send as `model` (default: --model, or the bundled model's)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGTERM or Ctrl-C, seconds requests in flight get to finish before they "
+        "are aborted (default: 10)",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
