@@ -90,8 +90,8 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from minivllm.bench import report
-    from minivllm.bench.metrics import measure_matmul_peak
     from minivllm.bench.runner import run_engine
+    from minivllm.simulator.hardware_probe import measure_matmul_peak
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -19,11 +19,11 @@ from minivllm.bench.runner import BenchRun, exact_params
 from minivllm.bench.workloads import BenchRequest, Workload
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
-from minivllm.metrics import StepStats
 from minivllm.simulator.clock import SimClock
 from minivllm.simulator.executor import SimulatedExecutor
 from minivllm.simulator.hardware import Hardware
 from minivllm.simulator.models import ModelShape
+from minivllm.stats import StepStats
 
 ROUTERS = ("round-robin", "least-loaded")
 

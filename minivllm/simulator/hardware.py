@@ -79,7 +79,7 @@ def measure_this_cpu(seconds: float = 0.5, step_overhead_s: float = 0.0) -> Hard
     matmul rate and the rate at which a sum streams a large tensor from memory, taken as
     achieved rates (efficiencies 1). `calibrate.py` fits the per-step overhead and the
     efficiency of the model's own steps from a real run."""
-    from minivllm.bench.metrics import measure_matmul_peak, measure_read_bandwidth
+    from minivllm.simulator.hardware_probe import measure_matmul_peak, measure_read_bandwidth
 
     flops = measure_matmul_peak(size=1024, seconds=seconds) * 1e9
     return Hardware(
