@@ -11,7 +11,7 @@ import concurrent.futures
 import json
 import typing
 from dataclasses import dataclass
-from http.client import HTTPConnection
+from http.client import HTTPConnection, RemoteDisconnected
 from urllib.parse import urlsplit
 
 import pytest
@@ -107,8 +107,15 @@ class Client:
 
     def post(self, route: str, body: dict) -> Reply:
         headers = {"content-type": "application/json"}
-        self.connection.request("POST", route, body=json.dumps(body).encode(), headers=headers)
-        reply = self.connection.getresponse()
+        content = json.dumps(body).encode()
+        try:
+            self.connection.request("POST", route, body=content, headers=headers)
+            reply = self.connection.getresponse()
+        except (BrokenPipeError, ConnectionResetError, RemoteDisconnected):
+            # The server closed the idle connection (uvicorn's keep-alive timeout): reopen.
+            self.connection.close()
+            self.connection.request("POST", route, body=content, headers=headers)
+            reply = self.connection.getresponse()
         return Reply(reply.status, reply.read().decode())
 
 
