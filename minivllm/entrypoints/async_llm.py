@@ -137,8 +137,10 @@ class AsyncLLM:
         """Queue a request; returns once the engine accepted it. A bad prompt raises the
         engine's ValueError here, before any output (so a server can still answer 400).
 
-        ``prompt`` may be a function, called on the engine thread, so that tokenizing
-        (which uses the engine's tokenizer) never races with a step."""
+        ``prompt`` may also be a function, called on the engine thread between two steps
+        (cheap work only: the server tokenizes on the tokenizer thread first, see
+        `run_on_tokenizer_thread`, and passes token ids). After `begin_shutdown` every
+        request is refused with EngineDeadError (a 503)."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         if not self._accepting:
