@@ -49,6 +49,7 @@ try:
 except importlib.metadata.PackageNotFoundError:  # run from a source tree
     VERSION = "0.1.0"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds in-flight requests get to finish on SIGTERM
 
 
 def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
@@ -74,7 +75,12 @@ def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None) 
         if any(e["type"] == "json_invalid" for e in errors):
             return JSONResponse(error_body("the body is not valid JSON", 400), status_code=400)
         fields = [".".join(str(p) for p in e["loc"] if p != "body") or "body" for e in errors]
-        message = "; ".join(f"{field}: {e['msg']}" for field, e in zip(fields, errors))
+        message = "; ".join(
+            f"{field} is not supported by minivllm"
+            if e["type"] == "extra_forbidden"  # a field no model here declares
+            else f"{field}: {e['msg']}"
+            for field, e in zip(fields, errors)
+        )
         param = fields[0].split(".")[0] if fields else None
         return JSONResponse(error_body(message, 400, param), status_code=400)
 
@@ -176,11 +182,16 @@ def serve(
     log_level="info",
     api_key: str | None = None,
     log_stats: bool = True,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
 ) -> None:
-    """Serve until SIGINT or SIGTERM, then stop the engine thread and return.
+    """Serve until SIGINT or SIGTERM, then shut down gracefully and return.
 
-    uvicorn catches both signals, drains open connections (up to 5 s), and re-raises the
-    signal once it has stopped; the handlers below turn that into a normal return."""
+    On the signal uvicorn stops accepting connections and waits for the open ones; the
+    engine refuses new requests, lets those in flight run for ``shutdown_timeout``
+    seconds, then aborts the rest: each stream ends with an error event, each plain
+    request gets a 503. So every client hears how its request ended, and uvicorn never
+    has to cancel a handler (which would print a traceback per request). uvicorn then
+    re-raises the signal; the handlers below turn that into a normal return."""
     async_llm = AsyncLLM(engine)
     app = build_app(async_llm, model_name, api_key)
     for line in startup_summary(engine, model_name, f"http://{host}:{port}"):
@@ -188,16 +199,40 @@ def serve(
     if log_stats:
         LoggingStatLogger(async_llm)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        # A backstop only: the engine has ended every request by then.
+        timeout_graceful_shutdown=shutdown_timeout + 5,
     )
     previous = signal.signal(signal.SIGTERM, _exit_quietly)
     try:
-        uvicorn.Server(config).run()
+        _GracefulServer(config, async_llm, shutdown_timeout).run()
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
         async_llm.shutdown()
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, which also starts the engine's graceful shutdown on a signal."""
+
+    def __init__(self, config: uvicorn.Config, async_llm: AsyncLLM, grace_period: float):
+        super().__init__(config)
+        self.async_llm = async_llm
+        self.grace_period = grace_period
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            logger.info(
+                "shutting down: %d request(s) in flight get %.0f s to finish",
+                self.async_llm.num_in_flight,
+                self.grace_period,
+            )
+            self.async_llm.begin_shutdown(self.grace_period)
+        super().handle_exit(sig, frame)
 
 
 def _exit_quietly(signum, frame) -> None:
@@ -264,6 +299,7 @@ def run_serve(args: argparse.Namespace, engine_config) -> int:
             args.log_level,
             api_key=args.api_key,
             log_stats=not args.disable_log_stats,
+            shutdown_timeout=args.shutdown_timeout,
         )
     finally:
         engine.close()  # tensor-parallel workers leave with the server

@@ -28,4 +28,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no periodic stats line (throughput, queues, KV usage) in the log",
     )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGTERM or Ctrl-C, seconds requests in flight get to finish before they "
+        "are aborted (default: 10)",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -33,7 +33,8 @@ class RequestError(ValueError):
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {
         "error": {
-            "message": message,
+            # A message may quote the request; a lone surrogate in it cannot be sent.
+            "message": message.encode("utf-8", "backslashreplace").decode("utf-8"),
             "type": ERROR_TYPES.get(status, "BadRequestError"),
             "param": param,
             "code": status,
