@@ -60,7 +60,6 @@ class SimulatedExecutor:
         self.model_config = model
         self.acceptance = acceptance_profile or AcceptanceProfile.parse(acceptance.DEFAULT)
         self.rng = random.Random(seed)
-        self.eos_token_ids: frozenset[int] = frozenset()  # never reached: ignore_eos
         self.device = torch.device("cpu")  # where per-request generators would live
         self.kv_pool: KVPoolSizing = size_kv_pool(
             model,
@@ -83,8 +82,8 @@ class SimulatedExecutor:
         self.max_model_len = resolve_max_model_len(config, self.model_config, self.num_kv_blocks)
         self.step_costs: list[StepCost] | None = None  # set to [] to record every step
 
-    def get_tokenizer(self) -> None:
-        return None  # prompts are token ids; outputs are placeholders
+    def shutdown(self) -> None:
+        pass  # nothing to release
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         chunks = [
