@@ -65,7 +65,7 @@ CHINESE = {
     "token budget, chunking, preemption": "token 预算、分块、抢占",
     "block tables": "块表",
     "free list, ref counts": "空闲队列、引用计数",
-    "model, tokenizer, KV cache size": "模型、tokenizer、KV Cache 大小",
+    "model, KV cache; 1 process or TP workers": "模型、KV Cache；单进程或张量并行的 worker",
     "greedy, temperature, top-k/p, min-p": "greedy、temperature、top-k/p、min-p",
     "append tokens, detokenize, stop checks": "追加 token、反分词、检查停止条件",
     "SchedulerOutput: chunks of token ids,\nstart position, block table": (
