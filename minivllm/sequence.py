@@ -102,6 +102,9 @@ class Sequence:
         self.stop_reason: str | int | None = None  # the stop string or token id that fired
         self.sampling_params = sampling_params
         self.generator = generator  # this request's own RNG: sampling ignores batch-mates
+        # A child of an ``n > 1`` request: shares its siblings' prompt blocks through the
+        # prefix cache even when prefix caching is off (parallel_sampling.py).
+        self.shares_prompt = False
         now = time.perf_counter()
         self.metrics = RequestMetrics(arrival_time=now if arrival_time is None else arrival_time)
 
