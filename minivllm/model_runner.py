@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.attention import AttentionMetadata
+from minivllm.models.arithmetic import kv_heads_per_rank
 from minivllm.models.llama import CausalLM
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.sampler import Sampler
@@ -30,6 +31,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         eos_token_ids: frozenset[int] = frozenset(),
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -37,10 +39,13 @@ class ModelRunner:
         config = model.config
         # The whole KV cache, allocated once: [layer][key or value][block][slot][kv_head][dim].
         # Requests own blocks of it through their block tables; nothing here ever moves.
+        # Split across tensor-parallel ranks, each holds only its own KV heads, under the
+        # same block tables and slots.
         # torch.empty: a slot is always written before it is read (nothing reads past
         # context_len), and zero-filling a GiB costs seconds on a small machine.
         self.kv_caches = torch.empty(
-            config.num_layers, 2, num_kv_blocks, block_size, config.num_kv_heads, config.head_dim,
+            config.num_layers, 2, num_kv_blocks, block_size,
+            kv_heads_per_rank(config.num_kv_heads, tensor_parallel_size), config.head_dim,
             dtype=dtype, device=device,
         )  # fmt: skip
         self.sampler = Sampler(eos_token_ids)  # masks EOS before min_tokens
@@ -101,6 +106,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         rows = [row for c, end in sampling for row in range(end - 1 - c.num_draft_tokens, end)]
         logits = self.model.compute_logits(hidden[rows])
+        if logits is None:  # a tensor-parallel rank but the first: rank 0 samples
+            return ModelRunnerOutput()
 
         plain, verified, first_row = [], {}, 0
         for chunk, _ in sampling:

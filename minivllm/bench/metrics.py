@@ -82,7 +82,7 @@ class RunSummary:
     max_batch_size: int | None = None  # the most real sequences in one step
     num_preemptions: int | None = None
     prefix_cache_hit_rate: float | None = None
-    model_flops: float | None = None  # the useful work: `ModelConfig.request_flops`, summed
+    model_flops: float | None = None  # the useful work: `arithmetic.request_flops`, summed
 
     @property
     def model_gflops_per_s(self) -> float | None:
