@@ -56,8 +56,8 @@ OPENAI_FIELDS = {
 # ``user``, ``metadata``, ``store``, ``service_tier``, ``safety_identifier`` and the
 # prompt-cache hints, cannot change the tokens.
 REFUSED_VALUES = {
-    "/v1/completions": {"echo": True, "logprobs": 1, "suffix": "w9", "best_of": 2, "n": 2},
-    "/v1/chat/completions": {"logprobs": True, "top_logprobs": 2, "n": 2},
+    "/v1/completions": {"echo": True, "logprobs": 1, "suffix": "w9", "best_of": 2},
+    "/v1/chat/completions": {"logprobs": True, "top_logprobs": 2},
 }
 NO_EFFECT = {"user", "metadata", "store", "service_tier", "safety_identifier",
              "prompt_cache_key", "prompt_cache_retention"}  # fmt: skip
@@ -148,7 +148,7 @@ def test_every_openai_field_is_honoured_or_refused(http, route):
             assert_refused(reply, field, named=True)
     for field in REFUSED_VALUES[route]:
         assert field in declared
-        del_value = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None,
+        del_value = {"best_of": 1, "echo": False, "logprobs": None, "suffix": None,
                      "top_logprobs": None}[field]  # fmt: skip
         if route.endswith("chat/completions") and field == "logprobs":
             del_value = False

@@ -200,7 +200,7 @@ class EngineUnderTest:
         self.arrival_order[seq] = len(self.arrival_order)
         return seq
 
-    def add_parallel(self, request_id, prompt: list[int], n: int, max_tokens: int) -> list[Sequence]:
+    def add_parallel(self, request_id, prompt: list[int], n: int, max_tokens: int) -> list:
         """An ``n > 1`` request: ``n`` children sharing the prompt. (Greedy: the fake model
         samples on its own, and a chunk holding a torch generator would not compare equal
         to its deep copy in `decision`.)"""

@@ -359,7 +359,7 @@ def test_metrics_have_vllm_names_and_exact_counts(server, client):
 # --- bad input ------------------------------------------------------------------------------
 
 BAD_COMPLETIONS = [
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
