@@ -154,3 +154,31 @@ def test_chat_with_n(llm):
     assert [len(o.outputs) for o in outputs] == [2, 2]
     assert outputs[0].outputs[0].token_ids == outputs[1].outputs[1].token_ids
     assert len(outputs[0].outputs[0].token_ids) == 3
+
+
+def test_preempting_children_never_corrupts_a_siblings_shared_blocks(tiny_llama_path):
+    """A pool too small for four children's outputs: children are preempted and
+    recomputed while their siblings keep reading the shared prompt blocks; every greedy
+    choice still equals a lone request run with room to spare."""
+    prompt = {"prompt_token_ids": list(range(3, 16))}  # 3 full blocks of 4 + 1 token
+    params = SamplingParams(n=4, temperature=0, max_tokens=20, ignore_eos=True)
+    llm = LLM(str(tiny_llama_path), block_size=4, num_kv_blocks=16, max_num_batched_tokens=16)
+    [output] = llm.generate(prompt, params, use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    roomy = LLM(str(tiny_llama_path), block_size=4, num_kv_blocks=64)
+    [single] = roomy.generate(prompt, SamplingParams(temperature=0, max_tokens=20,
+                                                     ignore_eos=True), use_tqdm=False)  # fmt: skip
+    assert [c.token_ids for c in output.outputs] == [single.outputs[0].token_ids] * 4
+    assert llm.llm_engine.kv_cache_manager.allocator.ref_counts == [0] * 16
+
+
+def test_static_policy_fans_out_without_sharing(tiny_llama_path):
+    llm = LLM(str(tiny_llama_path), block_size=BLOCK_SIZE, num_kv_blocks=64, max_model_len=64,
+              scheduling_policy="static")  # fmt: skip
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
+    output, steps = run_logged(llm, PROMPT, params)
+    assert steps[0].num_prefill_tokens == 2 * 37  # each child its own region, own prefill
+    lone = [SamplingParams(temperature=1.0, seed=3 + i, max_tokens=4, ignore_eos=True)
+            for i in range(2)]  # fmt: skip
+    singles = llm.generate([PROMPT] * 2, lone, use_tqdm=False)
+    assert [c.token_ids for c in output.outputs] == [s.outputs[0].token_ids for s in singles]
