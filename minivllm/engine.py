@@ -124,6 +124,11 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in flight")
         arrival_time = self.clock() if arrival_time is None else arrival_time
         parent = None
+        if isinstance(params, SamplingParams) and params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs}: the n "
+                "samples of a prompt are meant to run side by side, sharing its blocks"
+            )
         if isinstance(params, SamplingParams) and params.n > 1:
             parent = ParentRequest(request_id, params)
             children = [(c, parent.child_params(i)) for i, c in enumerate(parent.child_ids)]

@@ -39,6 +39,16 @@ def test_n_must_be_a_positive_int():
         SamplingParams(n=2, best_of=4)
 
 
+def test_n_beyond_max_num_seqs_is_refused_before_anything_is_queued(llm):
+    engine = llm.llm_engine
+    n = engine.config.max_num_seqs + 1
+    with pytest.raises(ValueError, match=f"n={n} is more than max_num_seqs"):
+        engine.add_request("big", PROMPT, SamplingParams(n=n))
+    with pytest.raises(ValueError, match="n=1000000000000000000000000000000 is more"):
+        engine.add_request("huge", PROMPT, SamplingParams(n=10**30))
+    assert not engine.has_unfinished_requests()
+
+
 def test_greedy_n4_gives_four_identical_choices_indexed_0_to_3(llm):
     params = SamplingParams(n=4, temperature=0, max_tokens=6, ignore_eos=True)
     output, _ = run_logged(llm, PROMPT, params)
@@ -182,3 +192,16 @@ def test_static_policy_fans_out_without_sharing(tiny_llama_path):
             for i in range(2)]  # fmt: skip
     singles = llm.generate([PROMPT] * 2, lone, use_tqdm=False)
     assert [c.token_ids for c in output.outputs] == [s.outputs[0].token_ids for s in singles]
+
+
+def test_engine_cumulative_reports_all_n_choices_as_they_stand(llm):
+    engine = llm.llm_engine
+    params = SamplingParams(n=3, temperature=0, max_tokens=3, ignore_eos=True)  # CUMULATIVE
+    engine.add_request("c", PROMPT, params)
+    lengths = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert [c.index for c in output.outputs] == [0, 1, 2]
+            lengths.append([len(c.token_ids) for c in output.outputs])
+    assert lengths[-1] == [3, 3, 3]
+    assert all(a <= b for prev, cur in zip(lengths, lengths[1:]) for a, b in zip(prev, cur))

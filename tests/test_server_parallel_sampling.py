@@ -110,3 +110,11 @@ def test_chat_n_plain_and_streamed(client, llm):
 def test_best_of_stays_refused(client):
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, n=2, best_of=3, max_tokens=2)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_over_max_num_seqs_is_400(client, stream):
+    n = ENGINE_OPTIONS["max_num_seqs"] + 1
+    with pytest.raises(openai.BadRequestError, match=f"n={n} is more than max_num_seqs"):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, n=n, max_tokens=2,
+                                  stream=stream)  # fmt: skip
