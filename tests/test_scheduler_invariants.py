@@ -440,7 +440,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Parallel sampling: one parent, ``n`` children sharing the prompt's blocks."""
         prefix = [] if shared_prefix is None else self.shared_prefixes[shared_prefix]
         prompt = prefix + [self.rng.randrange(VOCAB) for _ in range(suffix_len)]
-        self.engine.add_parallel(self.num_added, prompt[: self.engine.max_model_len], n, max_tokens)
+        prompt = prompt[: self.engine.max_model_len]
+        if n > self.engine.scheduler.max_num_seqs:  # refused, leaving everything as it was
+            before = (set(self.engine.requests), self.engine.kv_cache_manager.num_free_blocks)
+            with pytest.raises(ValueError, match="max_num_seqs"):
+                self.engine.add_parallel(self.num_added, prompt, n, max_tokens)
+            after = (set(self.engine.requests), self.engine.kv_cache_manager.num_free_blocks)
+            assert after == before
+            return
+        self.engine.add_parallel(self.num_added, prompt, n, max_tokens)
         self.num_added += 1
 
     @rule(bad=BAD_REQUEST)
