@@ -205,3 +205,18 @@ def test_engine_cumulative_reports_all_n_choices_as_they_stand(llm):
             lengths.append([len(c.token_ids) for c in output.outputs])
     assert lengths[-1] == [3, 3, 3]
     assert all(a <= b for prev, cur in zip(lengths, lengths[1:]) for a, b in zip(prev, cur))
+
+
+@pytest.mark.slow
+def test_smollm2_n4_greedy_equals_one_request(smollm2_path):
+    """On the real model the children read the prompt's keys and values that a sibling
+    wrote in the same step: greedy choices still equal a lone request's, token for token."""
+    llm = LLM(str(smollm2_path), num_kv_blocks=128)
+    prompt = "Explain in two sentences why the sky is blue."
+    greedy = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    [output] = llm.generate(prompt, SamplingParams(n=4, **greedy), use_tqdm=False)
+    assert llm.llm_engine.reset_prefix_cache()  # the lone request computes everything
+    [single] = llm.generate(prompt, SamplingParams(**greedy), use_tqdm=False)
+    assert single.num_cached_tokens == 0
+    assert output.num_cached_tokens == 0  # child 0 computed the prompt; the others hit it
+    assert [c.token_ids for c in output.outputs] == [single.outputs[0].token_ids] * 4
