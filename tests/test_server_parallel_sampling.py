@@ -118,3 +118,22 @@ def test_n_over_max_num_seqs_is_400(client, stream):
     with pytest.raises(openai.BadRequestError, match=f"n={n} is more than max_num_seqs"):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, n=n, max_tokens=2,
                                   stream=stream)  # fmt: skip
+
+
+def test_a_client_leaving_an_n_stream_aborts_every_choice(server):
+    import httpx
+
+    from tests.test_server import _metric, _wait_until_idle
+
+    def generated() -> float:
+        return _metric(httpx.get(server.url + "/metrics").text, "vllm:generation_tokens_total")
+
+    before = generated()
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "n": 3, "max_tokens": 500,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as reply:
+        assert next(reply.iter_lines()).startswith("data: ")
+    stats = _wait_until_idle(server, timeout=10)
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    assert not server.async_llm.engine.parent_requests.parents
+    assert generated() - before < 3 * 500  # no choice ran to its end
