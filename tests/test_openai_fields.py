@@ -20,7 +20,7 @@ from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.entrypoints.openai.api_server import BackgroundServer
 from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from minivllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from tests.helpers import make_tiny_checkpoint
+from tests.helpers import make_tiny_chat_checkpoint
 
 openai = pytest.importorskip("openai")
 
@@ -65,13 +65,7 @@ NO_EFFECT = {"user", "metadata", "store", "service_tier", "safety_identifier",
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("fields-llama"), "llama")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    return path
+    return make_tiny_chat_checkpoint(tmp_path_factory.mktemp("fields-llama"), CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
