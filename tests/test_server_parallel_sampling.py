@@ -10,6 +10,7 @@ import pytest
 
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.entrypoints.openai.api_server import BackgroundServer
+from tests.helpers import make_tiny_chat_checkpoint
 from tests.test_server import CHAT_TEMPLATE, ENGINE_OPTIONS, MODEL_NAME
 
 openai = pytest.importorskip("openai")
@@ -19,15 +20,7 @@ PROMPT = "w1 w2 w3 w4 w5 w6 w7 w8 w9"  # 9 tokens: two full blocks of 4 shared
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from tests.helpers import make_tiny_checkpoint
-
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("serve-n-llama"), "llama")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    return path
+    return make_tiny_chat_checkpoint(tmp_path_factory.mktemp("serve-n-llama"), CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
