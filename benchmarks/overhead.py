@@ -191,9 +191,12 @@ def measure(running: int, mode: str, tokenizer, steps: int, profiler=None) -> Ro
     workload = Workload(engine, mode)
     for _ in range(running):
         workload.add(workload.output_len())
-    # Warm up until every first prompt is in (and, mixed, the churn has begun).
+    # Warm up: every first prompt in (decode: all of them decoding), then a few more
+    # steps (mixed: the churn has begun).
     scheduler = engine.scheduler
-    while scheduler.waiting or any(s.num_output_tokens == 0 for s in scheduler.running):
+    for _ in range(-(-running * PROMPT_LEN // BUDGET)):
+        workload.step()
+    while mode == "decode" and any(s.num_output_tokens == 0 for s in scheduler.running):
         workload.step()
     for _ in range(10):
         workload.step()
