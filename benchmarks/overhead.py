@@ -56,11 +56,12 @@ from minivllm.simulator.cost_model import ChunkShape, step_cost
 from minivllm.simulator.executor import SimulatedExecutor
 from minivllm.simulator.hardware import get_hardware
 from minivllm.simulator.models import get_model
+from minivllm.utils import freeze_gc_heap
 
 PROMPT_LEN = 256
 BUDGET = 8192
-FAKE_VOCAB = 512  # the stand-in model's logits: small, so "sampling" costs ~nothing
-FIRST_TOKEN = 1000  # fake token ids are FIRST_TOKEN..FIRST_TOKEN+FAKE_VOCAB: ordinary words
+FAKE_VOCAB = 256  # the stand-in model's logits: small, so its "GPU" work costs ~nothing
+FIRST_TOKEN = 17  # sampled ids are FIRST_TOKEN..FAKE_VOCAB - 1: SmolLM2's byte tokens
 PHASES = ("schedule", "inputs", "sample", "outputs", "detok")
 
 
@@ -72,7 +73,7 @@ class NoComputeModel:
 
     def __init__(self) -> None:
         self.config = ModelConfig(
-            vocab_size=FIRST_TOKEN + FAKE_VOCAB, hidden_size=1, intermediate_size=1,
+            vocab_size=FAKE_VOCAB, hidden_size=1, intermediate_size=1,
             num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, rms_norm_eps=1e-6,
             max_position_embeddings=1 << 20, inv_freq=torch.zeros(1),
         )  # fmt: skip
@@ -81,8 +82,8 @@ class NoComputeModel:
         return input_ids
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        next_tokens = FIRST_TOKEN + (hidden * 31 + 7) % FAKE_VOCAB
-        logits = torch.zeros(len(hidden), FIRST_TOKEN + FAKE_VOCAB)
+        next_tokens = FIRST_TOKEN + (hidden * 31 + 7) % (FAKE_VOCAB - FIRST_TOKEN)
+        logits = torch.zeros(len(hidden), FAKE_VOCAB)
         logits[torch.arange(len(hidden)), next_tokens] = 1.0
         return logits
 
@@ -116,7 +117,7 @@ class PhaseTimer:
     """CPU seconds per phase: wraps methods so each call adds its process time."""
 
     def __init__(self) -> None:
-        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.seconds = dict.fromkeys((*PHASES, "model"), 0.0)
         self._wrapped: list[tuple[object, str, object]] = []
 
     def wrap(self, owner, name: str, phase: str) -> None:
@@ -166,7 +167,7 @@ class Workload:
     def add(self, max_tokens: int) -> None:
         i = self.next_id
         self.next_id += 1
-        prompt = [FIRST_TOKEN + (i * 7919 + j * 104729) % 20000 for j in range(PROMPT_LEN)]
+        prompt = [1000 + (i * 7919 + j * 104729) % 20000 for j in range(PROMPT_LEN)]
         params = SamplingParams(
             temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
             output_kind=RequestOutputKind.DELTA,
@@ -183,11 +184,15 @@ class Workload:
                 self.add(self.output_len())
 
 
-def measure(running: int, mode: str, tokenizer, steps: int, profiler=None) -> Row:
+def measure(
+    running: int, mode: str, tokenizer, steps: int, profiler=None, freeze_gc: bool = True
+) -> Row:
     clock = SimClock()
     config = EngineConfig(max_num_seqs=running, max_num_batched_tokens=BUDGET)
     executor = OverheadExecutor(config, clock, tokenizer)
     engine = LLMEngine(config, executor=executor, clock=clock)
+    if freeze_gc:
+        freeze_gc_heap()
     workload = Workload(engine, mode)
     for _ in range(running):
         workload.add(workload.output_len())
@@ -206,6 +211,9 @@ def measure(running: int, mode: str, tokenizer, steps: int, profiler=None) -> Ro
     timer.wrap(engine.scheduler, "update_from_output", "schedule")
     timer.wrap(executor.model_runner, "prepare_inputs", "inputs")
     timer.wrap(executor, "execute_model", "sample")  # prepare_inputs is subtracted below
+    # The stand-in model's calls are the GPU's work, not the engine's: left out.
+    model = executor.model_runner.model
+    timer.wrap(model, "compute_logits", "model")
     if tokenizer is not None:
         for name in ("update", "finish"):
             timer.wrap(Detokenizer, name, "detok")
@@ -222,7 +230,8 @@ def measure(running: int, mode: str, tokenizer, steps: int, profiler=None) -> Ro
         profiler.disable()
     timer.unwrap()
     s = timer.seconds
-    s["sample"] -= s["inputs"]
+    cpu -= s["model"]
+    s["sample"] -= s["inputs"] + s["model"]
     s["outputs"] = cpu - s["schedule"] - s["inputs"] - s["sample"]  # detok included
     s["outputs"] -= s["detok"]
     return Row(

@@ -113,15 +113,18 @@ class Detokenizer:
             return self.output_text
         return self.output_text[: max(0, len(self.output_text) - self._hold_back)]
 
-    def take_delta(self, output_token_ids: list[int], finished: bool) -> tuple[str, list[int]]:
-        """Text and token ids not yet streamed (for ``RequestOutputKind.DELTA``)."""
+    def take_delta(
+        self, token_ids: list[int], num_prompt_tokens: int, finished: bool
+    ) -> tuple[str, list[int]]:
+        """Text and output token ids not yet streamed (for ``RequestOutputKind.DELTA``), from
+        the request's ``token_ids`` (prompt first): only the new ones are read."""
         text = self.text_to_show(finished)
         # A stop string never cuts into streamed text: the hold-back is long enough.
         delta_text = text[self._num_streamed_chars :]
-        delta_ids = output_token_ids[self._num_streamed_tokens :]
+        delta_ids = token_ids[num_prompt_tokens + self._num_streamed_tokens :]
         self._num_streamed_chars = max(self._num_streamed_chars, len(text))
-        self._num_streamed_tokens = len(output_token_ids)
+        self._num_streamed_tokens = len(token_ids) - num_prompt_tokens
         return delta_text, delta_ids
 
-    def has_unstreamed_tokens(self, output_token_ids: list[int]) -> bool:
-        return len(output_token_ids) > self._num_streamed_tokens
+    def has_unstreamed_tokens(self, num_output_tokens: int) -> bool:
+        return num_output_tokens > self._num_streamed_tokens

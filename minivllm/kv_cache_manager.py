@@ -113,6 +113,8 @@ class KVCacheManager:
             - len(seq.block_table)
             - len(computed_blocks)
         )
+        if num_missing <= 0 and not is_admission:
+            return True  # most decode steps: the last block still has room
         num_hit_free = sum(self.allocator.ref_counts[b] == 0 for b in computed_blocks)
         if num_missing + num_hit_free > self.allocator.num_free_blocks:
             return False
@@ -150,10 +152,14 @@ class KVCacheManager:
         """Give back the blocks past ``ceil(num_computed_tokens / block_size)``: after
         rejected drafts they hold nothing that will be read (speculative decoding)."""
         num_needed = self.num_blocks_needed(seq.num_computed_tokens)
+        if num_needed == len(seq.block_table):
+            return
         for block_id in reversed(seq.block_table[num_needed:]):
             assert self.allocator.block_hashes[block_id] is None, "a draft block was cached"
             self.allocator.free(block_id)
-        del seq.block_table[num_needed:]
+        # A new list, not a cut in place: block tables only ever grow in place, which is
+        # how the model runner's persistent batch tells a grown table from a changed one.
+        seq.block_table = seq.block_table[:num_needed]
 
     def free(self, seq: Sequence) -> None:
         """Return all of ``seq``'s blocks to the pool, newest first: the free queue is LRU,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.attention import AttentionMetadata
+from minivllm.input_batch import InputBatch
 from minivllm.models.llama import CausalLM
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.sampler import Sampler
@@ -43,48 +44,17 @@ class ModelRunner:
             config.num_layers, 2, num_kv_blocks, block_size, config.num_kv_heads, config.head_dim,
             dtype=dtype, device=device,
         )  # fmt: skip
+        self.input_batch = InputBatch(block_size, device)  # kept from step to step
         self.sampler = Sampler(eos_token_ids)  # masks EOS before min_tokens
         self.rejection_sampler = RejectionSampler()
 
     def prepare_inputs(
         self, scheduler_output: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """input_ids ``[num_tokens]``, positions ``[num_tokens]`` and the step's metadata."""
-        chunks = scheduler_output.chunks
-        input_ids = [token for chunk in chunks for token in chunk.token_ids]
-        start_positions = [chunk.start_position for chunk in chunks]
-        query_len_list = [len(chunk.token_ids) for chunk in chunks]
-        block_table_list = [chunk.block_table for chunk in chunks]
-
-        query_lens = torch.tensor(query_len_list, dtype=torch.int32)
-        context_lens = torch.tensor(start_positions, dtype=torch.int32) + query_lens
-        cu_seqlens_q = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        torch.cumsum(query_lens, dim=0, out=cu_seqlens_q[1:])
-
-        max_blocks = max(len(table) for table in block_table_list)
-        block_tables = torch.tensor(  # short rows filled with block 0, never read past context_len
-            [table + [0] * (max_blocks - len(table)) for table in block_table_list],
-            dtype=torch.int32,
-        )
-
-        # Position of every token: its sequence's start + its index inside the chunk.
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens.long())
-        offsets = torch.arange(len(input_ids)) - cu_seqlens_q[:-1].long()[seq_of_token]
-        positions = (context_lens - query_lens).long()[seq_of_token] + offsets
-        # The paged address: token `pos` lives in block `block_table[pos // block_size]`.
-        blocks = block_tables[seq_of_token, positions // self.block_size].long()
-        slot_mapping = blocks * self.block_size + positions % self.block_size
-
-        to = dict(device=self.device, non_blocking=True)
-        metadata = AttentionMetadata(
-            slot_mapping=slot_mapping.to(**to),
-            cu_seqlens_q=cu_seqlens_q.to(**to),
-            context_lens=context_lens.to(**to),
-            block_tables=block_tables.to(**to),
-            max_query_len=max(query_len_list),
-            max_context_len=int(context_lens.max()),
-        )
-        return torch.tensor(input_ids).to(**to), positions.to(**to), metadata
+        """input_ids ``[num_tokens]``, positions ``[num_tokens]`` and the step's metadata,
+        from the persistent batch (input_batch.py): only what changed since last step is
+        rewritten."""
+        return self.input_batch.prepare(scheduler_output)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -99,6 +69,11 @@ class ModelRunner:
         sampling = [(c, end) for c, end in zip(scheduler_output.chunks, ends) if c.sample]
         if not sampling:
             return ModelRunnerOutput()
+        if not any(c.num_draft_tokens for c, _ in sampling):  # the usual step: one row each
+            chunks = [c for c, _ in sampling]
+            logits = self.model.compute_logits(hidden[[end - 1 for _, end in sampling]])
+            tokens = self.sampler(logits, chunks)
+            return ModelRunnerOutput({c.request_id: [t] for c, t in zip(chunks, tokens)})
         rows = [row for c, end in sampling for row in range(end - 1 - c.num_draft_tokens, end)]
         logits = self.model.compute_logits(hidden[rows])
 

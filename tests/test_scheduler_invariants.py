@@ -35,6 +35,7 @@ from hypothesis.stateful import (
 )
 
 from minivllm import LLM, EngineConfig, LLMEngine
+from minivllm.input_batch import InputBatch
 from minivllm.model_runner import ModelRunner
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.sampling_params import SamplingParams
@@ -65,6 +66,7 @@ class FakeExecutor(ModelRunner):
         # No model and no cache tensors: only what `prepare_inputs` reads.
         self.block_size = block_size
         self.device = torch.device("cpu")
+        self.input_batch = InputBatch(block_size, self.device)
         self.model_config = SimpleNamespace(vocab_size=1000)  # prompts may use any id
         self.num_kv_blocks = num_blocks
         self.max_model_len = num_blocks * block_size  # what the real executor allows at most
