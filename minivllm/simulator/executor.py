@@ -14,6 +14,7 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.executor import resolve_max_model_len
+from minivllm.input_batch import InputBatch
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import SchedulerOutput
 from minivllm.simulator.clock import SimClock
@@ -66,11 +67,15 @@ class SimulatedExecutor:
             )
         self.max_model_len = resolve_max_model_len(config, self.model_config, self.num_kv_blocks)
         self.step_costs: list[StepCost] | None = None  # set to [] to record every step
+        # The real model runner's input preparation runs every step (its tensors go
+        # nowhere), so a simulation costs the CPU what the engine's loop really costs.
+        self.input_batch = InputBatch(config.block_size, self.device)
 
     def get_tokenizer(self) -> None:
         return None  # prompts are token ids; outputs are placeholders
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.input_batch.prepare(scheduler_output)
         chunks = [
             ChunkShape(len(c.token_ids), c.context_len, c.sample) for c in scheduler_output.chunks
         ]
