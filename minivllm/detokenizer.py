@@ -41,6 +41,13 @@ class Detokenizer:
         )
         self._num_streamed_chars = 0  # for RequestOutputKind.DELTA
         self._num_streamed_tokens = 0
+        # A fast tokenizer's Rust core is called directly: transformers' Python wrapper
+        # around it costs three times the decode itself, twice per output token. (Same
+        # text: the wrapper adds only the clean-up of spaces, used when it is switched on.)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            backend = None
+        self._backend_decode = backend.decode if backend is not None else None
 
     def update(self, token_id: int, stopped_by_token: bool) -> str | None:
         """Add one output token; returns the stop string it completed, if any (then
@@ -61,7 +68,10 @@ class Detokenizer:
         return self._find_stop_string()
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens)
+        skip = self.params.skip_special_tokens
+        if self._backend_decode is not None:
+            return self._backend_decode(token_ids, skip_special_tokens=skip)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip)
 
     def _decode_next(self) -> str:
         """The text the newest token completes ("" while a character is unfinished)."""

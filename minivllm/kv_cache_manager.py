@@ -105,6 +105,10 @@ class KVCacheManager:
         blocks. Returns False, taking nothing, when the pool has too few free blocks; cached
         blocks that sit in the free queue count against it, as sharing takes them out."""
         is_admission = computed_blocks is not None
+        if not is_admission and (
+            seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size
+        ):
+            return True  # most decode steps: the last block still has room
         computed_blocks = computed_blocks or []
         assert not is_admission or (seq.num_computed_tokens == 0 and not seq.block_table)
         num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -113,8 +117,6 @@ class KVCacheManager:
             - len(seq.block_table)
             - len(computed_blocks)
         )
-        if num_missing <= 0 and not is_admission:
-            return True  # most decode steps: the last block still has room
         num_hit_free = sum(self.allocator.ref_counts[b] == 0 for b in computed_blocks)
         if num_missing + num_hit_free > self.allocator.num_free_blocks:
             return False
