@@ -7,6 +7,11 @@ each chunk's last row, and only for chunks the scheduler marked to sample (a pre
 chunk in the middle of a prompt has nothing to say); a decode with draft tokens also at
 every draft row, to verify the drafts. It reads nothing but the chunks: why
 a chunk is there is the scheduler's business.
+
+The inputs are built by a persistent `InputBatch` (input_batch.py) that keeps the block
+tables from step to step: at hundreds of requests, rebuilding them every step cost more
+CPU time than the rest of the runner (docs/tutorial/what-a-gpu-would-do.md, "The engine's
+own time per step").
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from minivllm.entrypoints.openai.protocol import (
     ModelList,
 )
 from minivllm.entrypoints.openai.serving import OpenAIServing
+from minivllm.utils import freeze_gc_heap
 
 logger = logging.getLogger("minivllm.serve")
 
@@ -214,6 +215,7 @@ def run_serve(args: argparse.Namespace, engine_config) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     engine = LLMEngine(engine_config)
+    freeze_gc_heap()  # the start-up objects stay out of the collector's passes, as in vLLM
     model_name = args.served_model_name or engine_config.model or DEFAULT_MODEL_NAME
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s")
     serve(engine, args.host, args.port, model_name, args.log_level)
