@@ -109,4 +109,4 @@ clean:
 # On a CUDA machine (torch with CUDA): the numba.cuda kernel's tests on the real GPU,
 # SmolLM2 greedy parity numba-cuda vs torch, and a decode micro-benchmark (< 5 min).
 gpu-check: $(MODEL_STAMP)
-	$(PY) -m minivllm_kernels.gpu_check
+	$(PY) benchmarks/gpu_check.py

@@ -41,12 +41,12 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.attention import AttentionMetadata, get_backend
-from minivllm.bench.metrics import matmul_candidates
 from minivllm.config import EngineConfig
 from minivllm.models.linear import Linear
 from minivllm.models.llama import CausalLM, ModelConfig
 from minivllm.models.loader import load_model
 from minivllm.models.model_files import default_model_path
+from minivllm.simulator.hardware_probe import matmul_candidates
 
 BLOCK_SIZE = 16
 PREFILL_PROMPTS = (200, 180, 132)  # 512 tokens: the engine's default token budget
@@ -159,16 +159,15 @@ def unoptimized(model: CausalLM):
 
     @contextmanager
     def switched():
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
-        packed = [m.packed_weight for m in linears]
-        for m in linears:
-            m.packed_weight = None
+        packed = [m for m in model.modules() if isinstance(m, Linear) and m.is_prepacked]
+        for m in packed:
+            m.process_weights_after_loading(prepack=False)
         try:
             with numba_kernel_forced(serial=False):
                 yield
         finally:
-            for m, weight in zip(linears, packed):
-                m.packed_weight = weight
+            for m in packed:
+                m.process_weights_after_loading()
 
     return switched
 

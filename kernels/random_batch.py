@@ -1,6 +1,6 @@
 """Random attention inputs for one engine step, for the kernel benchmarks.
 
-`benchmarks/attention.py` (CPU) and `gpu_check.py` (GPU) time the backends on the same
+`benchmarks/attention.py` (CPU) and `benchmarks/gpu_check.py` (GPU) time the backends on the same
 kind of batch: random queries, a paged KV cache whose block ids are shuffled (so block
 tables are non-contiguous, as after requests come and go), SmolLM2-135M's head shapes.
 """

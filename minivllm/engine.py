@@ -17,16 +17,16 @@ from minivllm.config import EngineConfig
 from minivllm.executor import Executor, UniProcExecutor
 from minivllm.input_processor import InputProcessor, Prompt
 from minivllm.kv_cache_manager import KVCacheManager
-from minivllm.metrics import StepStats
 from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import Scheduler
 from minivllm.scheduler_interface import SchedulerInterface
 from minivllm.scheduler_output import SchedulerOutput
-from minivllm.sequence import FinishReason, SequenceStatus
+from minivllm.sequence import FinishReason
 from minivllm.spec_decode import NgramProposer, SpecDecodingStats
 from minivllm.static_scheduler import StaticBatchScheduler
+from minivllm.stats import StepStats
 
 __all__ = ["LLMEngine", "Prompt"]
 
@@ -56,7 +56,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(
             ex.get_tokenizer(), ex.eos_token_ids, ex.max_model_len
         )
-        self.last_step: SchedulerOutput | None = None  # for walkthroughs and metrics
+        self.last_step: SchedulerOutput | None = None  # for walkthroughs
+        self.last_stats: StepStats | None = None  # the last step's snapshot, if it ran
         self.step_log: list[StepStats] | None = None  # set to [] to record every step
 
     @classmethod
@@ -128,7 +129,7 @@ class LLMEngine:
         """Schedule one batch, run it, and report every request that made progress."""
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
-        self.last_step = scheduler_output
+        self.last_step, self.last_stats = scheduler_output, None
         if scheduler_output.is_empty:
             return []
         runner_output = self.executor.execute_model(scheduler_output)
@@ -136,16 +137,24 @@ class LLMEngine:
         self.scheduler.update_from_output(scheduler_output, runner_output)
 
         outputs = []
+        num_prompt_tokens = num_generation_tokens = 0
         for seq in scheduler_output.scheduled_seqs:
             new_tokens = runner_output.sampled_token_ids.get(seq.request_id, [])
+            num_before = seq.num_output_tokens
             stop = self.output_processor.append_tokens(seq, new_tokens, now)
+            if num_before == 0 and seq.num_output_tokens > 0:  # its prefill is complete
+                num_prompt_tokens += seq.num_prompt_tokens
+            num_generation_tokens += seq.num_output_tokens - num_before
             if stop is not None:
                 self.scheduler.finish_requests(seq.request_id, stop.reason, stop.stop_reason)
             output = self.output_processor.make_output(seq)
             if output is not None:
                 outputs.append(output)
+        self.last_stats = self.make_stats(
+            scheduler_output, start, self.clock(), num_prompt_tokens, num_generation_tokens
+        )
         if self.step_log is not None:
-            self.step_log.append(StepStats.capture(self, scheduler_output, start, self.clock()))
+            self.step_log.append(self.last_stats)
         return outputs
 
     def reset_prefix_cache(self) -> bool:
@@ -163,23 +172,39 @@ class LLMEngine:
             return None
         return self.scheduler.spec_decoding_stats
 
+    def make_stats(
+        self,
+        scheduler_output: SchedulerOutput | None = None,
+        start_time: float | None = None,
+        end_time: float | None = None,
+        num_prompt_tokens: int = 0,
+        num_generation_tokens: int = 0,
+    ) -> StepStats:
+        """The snapshot `step` records after each step; called with no step, the engine's
+        queues, KV pool and counters as they are now (vLLM's ``Scheduler.make_stats``)."""
+        now = self.clock() if start_time is None else start_time
+        return StepStats.capture(
+            self.scheduler, self.kv_cache_manager, self.spec_decoding_stats,
+            scheduler_output, now, now if end_time is None else end_time,
+            num_prompt_tokens, num_generation_tokens,
+        )  # fmt: skip
+
     def stats(self) -> dict:
-        """A snapshot of the engine's queues and KV pool, e.g. for a progress display."""
-        prefix_cache = self.kv_cache_manager.prefix_cache_stats
-        waiting = list(self.scheduler.waiting)
-        spec_decode = self.spec_decoding_stats
+        """`make_stats` as a dict, with the config, e.g. for a progress display."""
+        stats = self.make_stats()
+        spec_decode = stats.spec_decoding
         return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": sum(s.status is SequenceStatus.WAITING for s in waiting),
-            "num_preempted": sum(s.status is SequenceStatus.PREEMPTED for s in waiting),
-            "num_free_blocks": self.kv_cache_manager.num_free_blocks,
-            "num_kv_blocks": self.num_kv_blocks,
-            "num_preemptions_total": self.scheduler.num_preemptions,
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "num_preempted": stats.num_preempted,
+            "num_free_blocks": stats.num_kv_blocks - stats.num_kv_blocks_used,
+            "num_kv_blocks": stats.num_kv_blocks,
+            "num_preemptions_total": stats.num_preemptions_total,
             # Prefix caching: tokens looked up at each admission (a readmission after a
             # preemption too), and of those, found in the cache instead of computed.
-            "prefix_cache_query_tokens": prefix_cache.num_queried_tokens,
-            "prefix_cache_hit_tokens": prefix_cache.num_hit_tokens,
-            "prefix_cache_hit_rate": prefix_cache.hit_rate,
+            "prefix_cache_query_tokens": stats.prefix_cache.num_queried_tokens,
+            "prefix_cache_hit_tokens": stats.prefix_cache.num_hit_tokens,
+            "prefix_cache_hit_rate": stats.prefix_cache.hit_rate,
             # Speculative decoding: vLLM's counters and derived rates, when it is on.
             **(spec_decode.as_dict() if spec_decode is not None else {}),
             "config": asdict(self.config),

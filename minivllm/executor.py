@@ -15,6 +15,7 @@ import torch
 from minivllm.attention import get_backend
 from minivllm.config import EngineConfig
 from minivllm.model_runner import ModelRunner
+from minivllm.models import arithmetic
 from minivllm.models.llama import ModelConfig
 from minivllm.models.loader import load_model, load_tokenizer
 from minivllm.outputs import ModelRunnerOutput
@@ -77,10 +78,9 @@ def num_blocks_for_bytes(
     model_config: ModelConfig, block_size: int, dtype: torch.dtype, num_bytes: int
 ) -> int:
     """How many KV blocks ``num_bytes`` of memory hold: a block stores a key and a value
-    vector per layer, KV head and token slot."""
+    vector per layer, KV head and token slot (`arithmetic.kv_bytes_per_token`)."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    c = model_config
-    bytes_per_block = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * element_size
+    bytes_per_block = block_size * arithmetic.kv_bytes_per_token(model_config, element_size)
     return max(1, num_bytes // bytes_per_block)
 
 

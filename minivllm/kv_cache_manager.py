@@ -3,6 +3,8 @@
 Like a page table: token ``pos`` of a request lives in block ``block_table[pos // block_size]``
 at offset ``pos % block_size``. The manager grows a table block by block as the request's
 computed tokens grow, and gives every block back when the request finishes or is preempted.
+The manager is the only writer of ``seq.block_table``, and it changes the list in place
+(extend, truncate, clear); a step's record keeps its own copy (scheduler_output.py).
 
 Automatic prefix caching (vLLM's design). Each *full* block of a request is named by a
 chained hash: ``hash(parent block's hash, this block's token ids)``, so equal hashes mean
@@ -122,9 +124,8 @@ class KVCacheManager:
             return False
         for block_id in computed_blocks:
             self.allocator.touch(block_id)
-        seq.block_table += computed_blocks
-        for _ in range(num_missing):
-            seq.block_table.append(self.allocator.allocate())
+        seq.block_table.extend(computed_blocks)
+        seq.block_table.extend(self.allocator.allocate() for _ in range(num_missing))
         if is_admission and self.enable_prefix_caching:
             self.prefix_cache_stats.num_queried_tokens += seq.num_tokens
             self.prefix_cache_stats.num_hit_tokens += len(computed_blocks) * self.block_size
@@ -169,7 +170,7 @@ class KVCacheManager:
         share."""
         for block_id in reversed(seq.block_table):
             self.allocator.free(block_id)
-        seq.block_table = []
+        seq.block_table.clear()
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes and zero the hit counters; False (and nothing done)

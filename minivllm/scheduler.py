@@ -54,6 +54,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest first, so running[-1] is the newest
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.num_waiting_preempted = 0  # of ``waiting``, those preempted (at its front)
         self.max_model_len = max_model_len
         self.proposer = proposer
         self.spec_decoding_stats = SpecDecodingStats(proposer.k if proposer else 0)
@@ -115,6 +116,8 @@ class Scheduler:
             if seq.status is SequenceStatus.WAITING:  # first admission, not a readmission
                 seq.num_cached_tokens = num_cached
                 seq.metrics.first_scheduled_time = self.clock()
+            else:
+                self.num_waiting_preempted -= 1
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached
             out.add(seq, num_new)
@@ -175,6 +178,7 @@ class Scheduler:
         seq.status = SequenceStatus.PREEMPTED
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
+        self.num_waiting_preempted += 1
         self.waiting.appendleft(seq)
 
     def finish_requests(
@@ -190,6 +194,8 @@ class Scheduler:
                 self.running.remove(seq)
             else:
                 self.waiting.remove(seq)
+                if seq.status is SequenceStatus.PREEMPTED:
+                    self.num_waiting_preempted -= 1
             self.kv_cache_manager.free(seq)
             seq.finish(reason, now, stop_reason)
 

@@ -12,13 +12,16 @@ from typing import Protocol
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import SchedulerOutput
 from minivllm.sequence import FinishReason, Sequence
+from minivllm.spec_decode import SpecDecodingStats
 
 
 class SchedulerInterface(Protocol):
     requests: dict[str, Sequence]  # every unfinished request, by id
     waiting: Iterable[Sequence]  # not holding KV blocks: new, or preempted
     running: list[Sequence]  # holding KV blocks
-    num_preemptions: int
+    num_preemptions: int  # since the engine started
+    num_waiting_preempted: int  # of ``waiting``, those preempted, kept count of as they move
+    spec_decoding_stats: SpecDecodingStats  # speculative decoding's counters (zero when off)
 
     def add_request(self, seq: Sequence) -> None:
         """Queue a new request."""

@@ -4,6 +4,12 @@ The model runner reads only ``chunks``: for each, token ids to compute, the posi
 the first one, and the block table whose slots hold the request's keys and values. It
 knows nothing about why a chunk is there. The rest is for the scheduler's own
 bookkeeping after the step and for whoever watches (metrics, notebooks).
+
+It is a value, as in vLLM (which builds its ``SchedulerOutput`` once every decision is
+made): each chunk holds its own copies of its token ids and block table, taken when its
+decision is final, so the requests moving on after the step (rejected drafts rolled back,
+blocks freed) never rewrite the record of what the step computed. Only
+``scheduled_seqs`` and ``preempted`` point at the live requests, to say *who*.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ class ScheduledChunk:
     ``min_tokens``); False for a prompt chunk that stops mid-prompt.
     Speculative decoding: the last ``num_draft_tokens`` rows are draft tokens, guesses not
     yet known to be right; then the last ``1 + num_draft_tokens`` rows are all sampled
-    and verified against the drafts (spec_decode/rejection_sampler.py)."""
+    and verified against the drafts (spec_decode/rejection_sampler.py).
+    ``block_table`` is the chunk's own copy of the request's table as of this step."""
 
     request_id: str
     token_ids: list[int]
@@ -36,6 +43,9 @@ class ScheduledChunk:
     generator: object | None = None  # torch.Generator of a request that samples randomly
     num_output_tokens: int = 0
     num_draft_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.block_table = list(self.block_table)  # a copy: the request's table moves on
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -63,6 +73,8 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens scheduled after each decode's real token
     # (counted in num_scheduled_tokens too, as in vLLM).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Each scheduled request's chunk, by id (a padding chunk is in ``chunks`` only).
+    chunk_of: dict[str, ScheduledChunk] = field(default_factory=dict, repr=False)
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         """Schedule the next ``num_new_tokens`` of ``seq``, from its ``num_computed_tokens``."""
@@ -79,15 +91,18 @@ class SchedulerOutput:
             num_output_tokens=seq.num_output_tokens,
         )
         self.chunks.append(chunk)
+        self.chunk_of[seq.request_id] = chunk
         self.scheduled_seqs.append(seq)
         self.num_scheduled_tokens[seq.request_id] = num_new_tokens
         self.is_prefill[seq.request_id] = seq.is_prefill
 
     def add_draft_tokens(self, seq: Sequence, draft_token_ids: list[int]) -> None:
-        """Extend ``seq``'s decode chunk, already scheduled, with draft tokens."""
+        """Extend ``seq``'s decode chunk, already scheduled, with draft tokens, once the
+        blocks for their rows are allocated: the chunk's table is taken again to hold them."""
         assert not self.is_prefill[seq.request_id] and draft_token_ids
-        chunk = next(c for c in self.chunks if c.request_id == seq.request_id)
+        chunk = self.chunk_of[seq.request_id]
         chunk.token_ids = chunk.token_ids + list(draft_token_ids)
+        chunk.block_table = list(seq.block_table)
         chunk.num_draft_tokens = len(draft_token_ids)
         self.num_scheduled_tokens[seq.request_id] += len(draft_token_ids)
         self.scheduled_spec_decode_tokens[seq.request_id] = list(draft_token_ids)

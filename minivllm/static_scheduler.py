@@ -30,6 +30,7 @@ from minivllm.kv_cache_manager import KVCacheManager
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import ScheduledChunk, SchedulerOutput
 from minivllm.sequence import FinishReason, Sequence, SequenceStatus
+from minivllm.spec_decode import SpecDecodingStats
 
 PAD_TOKEN_ID = 0  # what padding rows feed the model; their outputs are thrown away
 
@@ -57,6 +58,8 @@ class StaticBatchScheduler:
         self.num_decode_steps = 0  # lockstep decode steps since the batch's prefill
         self.num_batches = 0
         self.num_preemptions = 0  # every request has its full region: never preempts
+        self.num_waiting_preempted = 0
+        self.spec_decoding_stats = SpecDecodingStats(0)  # no drafts in a static batch
 
     def add_request(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq

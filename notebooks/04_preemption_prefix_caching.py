@@ -50,7 +50,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=16)
 
 def make_engine(**options) -> LLMEngine:
     engine = LLMEngine(EngineConfig(max_num_batched_tokens=256, **options))
-    engine.step_log = []  # record a StepStats per step (minivllm/metrics.py)
+    engine.step_log = []  # record a StepStats per step (minivllm/stats.py)
     return engine
 
 

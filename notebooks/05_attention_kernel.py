@@ -275,7 +275,7 @@ torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 # %% [markdown]
 # On a machine with an NVIDIA GPU, the same source compiles to PTX and takes torch CUDA
-# tensors without a copy; `kernels/gpu_check.py` (`make gpu-check`) runs the property
+# tensors without a copy; `benchmarks/gpu_check.py` (`make gpu-check`) runs the property
 # tests and a benchmark there. On CPU, the `numba-cpu` backend (`kernels/numba_cpu.py`)
 # compiles the same idea with `@njit(parallel=True)`. The
 # [Attention kernels](../kernels.md) page explains both, with measurements.

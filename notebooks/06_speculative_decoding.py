@@ -76,7 +76,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=64)
 
 def make_engine(**options) -> LLMEngine:
     engine = LLMEngine(EngineConfig(max_num_seqs=1, **options))
-    engine.step_log = []  # a StepStats per step (minivllm/metrics.py)
+    engine.step_log = []  # a StepStats per step (minivllm/stats.py)
     return engine
 
 

@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from minivllm.config import EngineConfig
+from minivllm.models.arithmetic import num_parameters
 from minivllm.simulator.cluster import Deployment, search_replicas, simulate
 from minivllm.simulator.cost_model import ChunkShape, step_cost
 from minivllm.simulator.hardware import get_hardware
@@ -39,7 +40,7 @@ from minivllm.simulator.workloads import chat_workload
 notebook_start = time.perf_counter()
 h200, llama = get_hardware("h200"), get_model("llama-3.1-8b")
 print(h200)
-print(f"{llama.name}: {llama.num_parameters / 1e9:.2f} B parameters")
+print(f"llama-3.1-8b: {num_parameters(llama) / 1e9:.2f} B parameters")
 
 # %% [markdown]
 # ## One decode step: memory-bound

@@ -1,7 +1,7 @@
 """Test set-up shared by every test module.
 
 The numba CUDA simulator is chosen once, when `numba.cuda` is first imported, so it has to
-be switched on here, before any test module imports a kernel. `kernels/gpu_check.py`
+be switched on here, before any test module imports a kernel. `benchmarks/gpu_check.py`
 sets MINIVLLM_REAL_GPU=1 to run the same tests on a real GPU instead.
 """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,17 @@ def test_builtin_backends_are_listed_and_named_as_registered() -> None:
         backend_cls = get_backend(name)
         assert issubclass(backend_cls, AttentionBackend)
         assert backend_cls.name == name
+
+
+def test_bundled_kernels_are_declared_as_entry_points_not_named_by_the_core() -> None:
+    """numba-cpu and numba-cuda come through the entry-point group a third-party backend
+    uses; the registry's fallback (for an install made before they were declared) is
+    the same list as pyproject.toml's."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    declared = pyproject["project"]["entry-points"][registry.ENTRY_POINT_GROUP]
+    assert declared == registry.BUNDLED_ENTRY_POINTS
+    assert set(registry._BUILTIN) == {"torch"}
 
 
 def test_unknown_backend_lists_the_choices() -> None:
@@ -32,7 +44,7 @@ def test_choosing_torch_does_not_import_numba() -> None:
 
 @pytest.mark.parametrize("name", ["numba-cpu", "numba-cuda"])
 def test_missing_numba_says_how_to_install_it(monkeypatch, name: str) -> None:
-    module_name = registry._BUILTIN[name].split(":")[0]
+    module_name = registry.BUNDLED_ENTRY_POINTS[name].split(":")[0]
     monkeypatch.setattr(registry, "_registered", {})
     monkeypatch.delitem(sys.modules, module_name, raising=False)
     monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` now fails

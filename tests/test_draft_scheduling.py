@@ -344,6 +344,22 @@ def test_rejected_drafts_roll_back_num_computed_tokens_and_free_their_blocks(num
     assert out.chunks[0].token_ids[0] == a.token_ids[-1]
 
 
+def test_the_recorded_step_keeps_the_draft_block_after_the_roll_back():
+    """The draft rows' block is allocated after the decode's chunk was built; the chunk
+    takes the table again then, as its own copy. Rolling the rejected drafts back frees
+    that block from the request, not from the record of the step that used it."""
+    scheduler = make_scheduler(num_blocks=16, k=3)
+    a = make_seq("a", 7)
+    add(scheduler, a)
+    step(scheduler)
+    out = scheduler.schedule()
+    [chunk] = out.chunks
+    assert chunk.block_table == a.block_table and chunk.block_table is not a.block_table
+    assert len(chunk.block_table) == 3  # positions 8..10 are in the third block
+    run(scheduler, out, {"a": 0})
+    assert len(a.block_table) == 2 and len(chunk.block_table) == 3
+
+
 def test_the_spec_decode_counters_count_each_verified_run_of_drafts():
     """A verification event per request per step with drafts; position i counts only when
     every draft before it was accepted too. A request without drafts counts nothing."""

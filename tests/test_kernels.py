@@ -485,19 +485,21 @@ def test_cuda_kernel_compiles_to_sm90_ptx_without_float64() -> None:
     assert result.stdout.strip() == "OK"
 
 
-# --- kernels/gpu_check.py runs on CPU too, as far as it can ------------------------------
+# --- benchmarks/gpu_check.py runs on CPU too, as far as it can ---------------------------
 
 
-def test_gpu_check_benchmark_runs_in_the_simulator() -> None:
-    from minivllm_kernels.gpu_check import benchmark_decode
+def test_gpu_check_benchmark_runs_in_the_simulator(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from gpu_check import benchmark_decode
 
     rows = benchmark_decode(CUDA_DEVICE, {"tiny": [3, 17]}, (torch.float32,), repeats=1)
     assert [row["path"] for row in rows] == ["numba-cuda", "torch SDPA, padded", "torch reference"]
     assert all(row["ms"] > 0 for row in rows)
 
 
-def test_gpu_check_parity_runs_in_the_simulator(tiny_llama_path) -> None:
-    from minivllm_kernels.gpu_check import check_smollm2_parity
+def test_gpu_check_parity_runs_in_the_simulator(tiny_llama_path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from gpu_check import check_smollm2_parity
 
     check_smollm2_parity(CUDA_DEVICE, str(tiny_llama_path), ["w1 w2 w3"], max_tokens=2)
 

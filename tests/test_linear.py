@@ -29,40 +29,93 @@ def make_linear(in_features: int, out_features: int, bias: bool, seed: int = 0) 
 )
 def test_prepacked_equals_f_linear(rows, in_features, out_features, bias) -> None:
     layer = make_linear(in_features, out_features, bias)
+    weight = layer.weight.detach().clone()
     layer.process_weights_after_loading()
-    assert layer.packed_weight is not None
+    assert layer.is_prepacked
     x = torch.randn(rows, in_features)
     with torch.inference_mode():
-        expected = F.linear(x, layer.weight, layer.bias)
+        expected = F.linear(x, weight, layer.bias)
         torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
         # A strided input (a slice of a wider activation) goes through the same path.
         wide = torch.randn(rows, 2 * in_features)[:, :in_features]
         torch.testing.assert_close(
-            layer(wide), F.linear(wide, layer.weight, layer.bias), atol=1e-5, rtol=1e-5
+            layer(wide), F.linear(wide, weight, layer.bias), atol=1e-5, rtol=1e-5
         )
+        # So does a batch of rows with leading dimensions.
+        batched = torch.randn(2, rows, in_features)
+        torch.testing.assert_close(
+            layer(batched), F.linear(batched, weight, layer.bias), atol=1e-5, rtol=1e-5
+        )
+
+
+@needs_onednn
+def test_prepacking_replaces_the_weight_and_keeps_its_values() -> None:
+    """One copy: the oneDNN tensor is the layer's weight, not a second one beside it; the
+    state dict and prepack=False give back the exact original values."""
+    layer = make_linear(16, 12, bias=True)
+    original = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.process_weights_after_loading()
+    assert layer.weight.is_mkldnn
+    assert [name for name, _ in layer.named_parameters()] == ["weight", "bias"]
+    state = layer.state_dict()
+    assert not state["weight"].is_mkldnn
+    assert all(torch.equal(state[k], original[k]) for k in original)
+    layer.process_weights_after_loading(prepack=False)
+    assert not layer.is_prepacked
+    assert torch.equal(layer.weight, original["weight"])
+
+
+@needs_onednn
+def test_a_state_dict_loads_into_a_prepacked_layer() -> None:
+    source, target = make_linear(8, 6, bias=True, seed=1), make_linear(8, 6, bias=True, seed=2)
+    target.process_weights_after_loading()
+    target.load_state_dict(source.state_dict())
+    assert target.is_prepacked
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        torch.testing.assert_close(target(x), source(x), atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_a_shared_weight_stays_shared_with_its_packed_copy_beside_it() -> None:
+    """A tied ``lm_head``: the embedding keeps the row-major matrix for its lookups, the
+    parameter stays one object (counted once), and the layer multiplies by the copy."""
+    embedding = torch.nn.Embedding(10, 4)
+    lm_head = make_linear(4, 10, bias=False)
+    lm_head.weight = embedding.weight
+    lm_head.process_weights_after_loading()
+    assert lm_head.is_prepacked and lm_head.weight is embedding.weight
+    assert lm_head.packed_beside is not None and lm_head.packed_beside.is_mkldnn
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        torch.testing.assert_close(lm_head(x), F.linear(x, embedding.weight), atol=1e-5, rtol=1e-5)
+    lm_head.process_weights_after_loading(prepack=False)
+    assert not lm_head.is_prepacked and lm_head.weight is embedding.weight
 
 
 def test_without_onednn_the_layer_is_f_linear(monkeypatch) -> None:
     monkeypatch.setattr(linear_module, "onednn_linear_available", lambda weight: False)
     layer = make_linear(8, 5, bias=True)
     layer.process_weights_after_loading()
-    assert layer.packed_weight is None
+    assert not layer.is_prepacked
     x = torch.randn(3, 8)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
 @needs_onednn
-def test_prepack_false_drops_the_packed_copy() -> None:
+def test_prepack_false_goes_back_to_row_major() -> None:
     layer = make_linear(8, 5, bias=False)
     layer.process_weights_after_loading()
     layer.process_weights_after_loading(prepack=False)
-    assert layer.packed_weight is None
+    assert not layer.is_prepacked
+    x = torch.randn(3, 8)
+    assert torch.equal(layer(x), F.linear(x, layer.weight))
 
 
 def test_half_precision_weights_are_not_packed() -> None:
     layer = make_linear(8, 5, bias=False).to(torch.bfloat16)
     layer.process_weights_after_loading()
-    assert layer.packed_weight is None
+    assert not layer.is_prepacked
     x = torch.randn(2, 8, dtype=torch.bfloat16)
     assert torch.equal(layer(x), F.linear(x, layer.weight))
 
@@ -74,4 +127,10 @@ def test_loaded_model_is_prepacked(tiny_llama_path) -> None:
 
     model, _ = load_model(tiny_llama_path, get_backend("torch")(), torch.float32, "cpu")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed_weight is not None for m in linears)
+    assert linears and all(m.is_prepacked for m in linears)
+    # One copy of each projection: no row-major matrix is left but the embedding's (which
+    # a tied lm_head shares, its prepacked copy beside it).
+    dense = [name for name, p in model.named_parameters() if p.dim() == 2 and not p.is_mkldnn]
+    assert dense == ["embed_tokens.weight"]
+    tied = model.config.tie_word_embeddings
+    assert (model.lm_head.packed_beside is not None) == tied

@@ -11,8 +11,8 @@ from minivllm.bench.metrics import (
     padding_waste,
     summarize,
 )
-from minivllm.metrics import StepStats
 from minivllm.sequence import RequestMetrics
+from minivllm.stats import StepStats
 
 
 def request(rid, arrival, scheduled, token_times, num_prompt=10) -> RequestResult:

@@ -17,6 +17,7 @@ CI runs the "ci" hypothesis profile (tests/conftest.py); for a longer search run
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import Counter
 from types import SimpleNamespace
@@ -140,6 +141,7 @@ class EngineUnderTest:
         executor = FakeExecutor(num_blocks, block_size, rng, eos_prob)
         self.engine = LLMEngine(config, executor=executor)
         executor.attach(self.engine)
+        self.record_decision_before_update()
         self.scheduler = self.engine.scheduler
         self.kv_cache_manager = self.engine.kv_cache_manager
         self.max_model_len = self.engine.max_model_len
@@ -147,6 +149,17 @@ class EngineUnderTest:
         self.arrival_order: dict[Sequence, int] = {}
         self.finished: list[Sequence] = []
         self.last_hits: list[Sequence] = []  # admitted by the last step with a prefix hit
+
+    def record_decision_before_update(self) -> None:
+        """Keep a deep copy of each step's decision as the model saw it, taken just before
+        `update_from_output` moves the requests on (drafts rolled back, blocks freed)."""
+        update_from_output = self.engine.scheduler.update_from_output
+
+        def recording(scheduler_output, model_runner_output):
+            self.decision_before_update = decision(scheduler_output)
+            update_from_output(scheduler_output, model_runner_output)
+
+        self.engine.scheduler.update_from_output = recording
 
     def add(
         self, request_id, prompt: list[int], max_tokens: int, min_tokens=0, stop_token_ids=()
@@ -173,6 +186,8 @@ class EngineUnderTest:
         waiting = set(self.scheduler.waiting)
         outputs = self.engine.step()
         scheduled = self.engine.last_step
+        if not scheduled.is_empty:  # the record is a value: the step's end left it alone
+            assert decision(scheduled) == self.decision_before_update
         self.last_hits = [
             s for s in scheduled.scheduled_seqs if s in waiting and s.num_cached_tokens
         ]
@@ -195,6 +210,21 @@ class EngineUnderTest:
             assert not scheduled.is_empty, "a step with unfinished requests did nothing"
             after_step(scheduled)
         raise AssertionError(f"requests still unfinished after {bound} steps: {self.requests}")
+
+
+def decision(scheduled: SchedulerOutput) -> tuple:
+    """Everything a step decided, deep-copied: its chunks (token ids, positions, block
+    tables, drafts), its counts, and who was scheduled and preempted."""
+    return copy.deepcopy(
+        (
+            scheduled.chunks,
+            scheduled.num_scheduled_tokens,
+            scheduled.is_prefill,
+            scheduled.scheduled_spec_decode_tokens,
+            [seq.request_id for seq in scheduled.scheduled_seqs],
+            [seq.request_id for seq in scheduled.preempted],
+        )
+    )
 
 
 def check_pool(engine: EngineUnderTest) -> None:
@@ -234,6 +264,9 @@ def check_sequences(engine: EngineUnderTest) -> None:
     for seq in scheduler.waiting:
         assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
         assert seq.num_computed_tokens == 0 and seq.block_table == []
+    # The preempted are counted as they come and go, never by scanning the queue.
+    preempted = [s for s in scheduler.waiting if s.status is SequenceStatus.PREEMPTED]
+    assert scheduler.num_waiting_preempted == len(preempted)
     assert len(scheduler.running) <= scheduler.max_num_seqs
     in_flight = scheduler.running + list(scheduler.waiting)
     assert set(in_flight) == set(engine.requests.values())

@@ -8,11 +8,12 @@ import pytest
 from minivllm.bench.runner import run_engine
 from minivllm.bench.workloads import BenchRequest, LengthDistribution, Workload, synthetic
 from minivllm.config import EngineConfig
+from minivllm.models.arithmetic import decode_flops, prefill_flops, request_flops
 from minivllm.models.loader import load_hf_config, model_config_from_hf
 from minivllm.simulator.cluster import Deployment, search_replicas, simulate
 from minivllm.simulator.cost_model import ChunkShape, step_cost
 from minivllm.simulator.hardware import get_hardware
-from minivllm.simulator.models import get_model, shape_of
+from minivllm.simulator.models import get_model
 from minivllm.simulator.workloads import chat_workload
 
 H200 = get_hardware("h200")
@@ -43,7 +44,7 @@ def test_simulated_and_real_engine_make_the_same_decisions(tiny_llama_path, poli
         attention_backend="torch",  # no kernel compile: the timing does not matter here
     )
     real = run_engine(config, workload, progress=False)
-    shape = shape_of("tiny", model_config_from_hf(load_hf_config(tiny_llama_path)))
+    shape = model_config_from_hf(load_hf_config(tiny_llama_path))
     simulated = simulate(replace(config, model=None), Deployment(shape, H200), workload)
     assert [_composition(s) for s in simulated.steps] == [_composition(s) for s in real.steps]
     assert len(real.steps) > 5
@@ -63,6 +64,11 @@ def test_a_lone_request_takes_exactly_its_predicted_steps():
     assert metrics.ttft == pytest.approx(prefill)
     assert metrics.e2e_latency == pytest.approx(prefill + sum(decodes))
     assert len(run.steps) == 3
+    # the bench's useful work: the prompt in one pass, then two decodes
+    prefill_and_decodes = prefill_flops(LLAMA_8B, 100) + sum(
+        decode_flops(LLAMA_8B, c) for c in (101, 102)
+    )
+    assert run.summary.model_flops == request_flops(LLAMA_8B, 100, 3) == prefill_and_decodes
 
 
 def test_ten_thousand_requests_in_seconds():
@@ -165,6 +171,38 @@ def test_bad_presets_are_argparse_errors_listing_the_choices(flags, message, cap
         (["--policy", "fifo"], "fifo"),
         (["--search-p99-ttft", "1"], "needs a finite --request-rate"),
         (["--prompt-len", "lognormal:1"], "bad length distribution"),
+        (
+            ["--tensor-parallel-size", "3"],
+            "the model's 32 attention heads must be divisible by tensor_parallel_size=3",
+        ),
+        (["--tensor-parallel-size", "1024"], "tensor_parallel_size=1024"),
+        (["--acceptance-rate", "0.5"], "--acceptance-rate needs --speculative-config"),
+        (
+            ["--speculative-config", '{"num_speculative_tokens": 3}'],  # static too, by default
+            "speculative decoding needs the continuous scheduling policy",
+        ),
+        (
+            [
+                "--policy",
+                "continuous",
+                "--speculative-config",
+                '{"num_speculative_tokens": 3}',
+                "--acceptance-rate",
+                "0.5,0.6",
+            ],
+            "must not increase",
+        ),
+        (
+            [
+                "--policy",
+                "continuous",
+                "--speculative-config",
+                '{"num_speculative_tokens": 3}',
+                "--acceptance-rate",
+                "most",
+            ],
+            "bad acceptance rate 'most'",
+        ),
     ],
 )
 def test_bad_values_are_one_line_errors(flags, message, capsys):
@@ -187,3 +225,85 @@ def test_cli_prints_bench_table_and_writes_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert set(data["runs"]) == {"static", "continuous"}
     assert len(data["runs"]["continuous"]["requests"]) == 50
+
+
+# --- speculative decoding ----------------------------------------------------------------
+
+
+def _spec_run(acceptance: str, num_prompts: int = 40):
+    from minivllm.simulator.acceptance import AcceptanceProfile
+
+    config = EngineConfig(max_model_len=2048, speculative_config={"num_speculative_tokens": 3})
+    deployment = Deployment(LLAMA_8B, H200, acceptance_profile=AcceptanceProfile.parse(acceptance))
+    return simulate(config, deployment, chat_workload(num_prompts, "alpaca", seed=7))
+
+
+def test_speculative_decoding_reports_the_acceptance_it_was_given():
+    """vLLM's counters, from the real scheduler's bookkeeping: per-position rates near
+    the profile's (40 requests, a few hundred verifications), never above the one
+    before."""
+    run = _spec_run("copy-heavy")
+    spec = run.spec_decoding
+    assert spec is not None and spec.num_drafts > 300
+    rates = spec.acceptance_rate_per_pos
+    assert rates == sorted(rates, reverse=True)
+    assert rates[0] == pytest.approx(0.982, abs=0.05)
+    assert spec.num_accepted_tokens == sum(spec.num_accepted_tokens_per_pos)
+    wanted = sum(r.num_output_tokens for r in run.requests)
+    assert wanted == chat_workload(40, "alpaca", seed=7).num_output_tokens  # exact lengths
+
+
+def test_throughput_follows_the_acceptance():
+    """Rejected drafts cost rows and give nothing; accepted ones give tokens for rows a
+    memory-bound step barely notices."""
+    plain = simulate(
+        EngineConfig(max_model_len=2048), Deployment(LLAMA_8B, H200),
+        chat_workload(40, "alpaca", seed=7),
+    )  # fmt: skip
+    tput = {a: _spec_run(a).summary.output_throughput for a in ("0", "no-copy", "1")}
+    assert tput["0"] < plain.summary.output_throughput < tput["no-copy"] < tput["1"]
+    assert _spec_run("0").spec_decoding.num_accepted_tokens == 0
+
+
+def test_cli_reports_spec_decode_metrics(tmp_path, capsys):
+    import json
+
+    from minivllm.cli import main
+
+    out = tmp_path / "spec.json"
+    argv = [
+        "simulate", "--num-prompts", "20", "--lengths", "alpaca", "--policy", "continuous",
+        "--speculative-config", '{"num_speculative_tokens": 2}', "--acceptance-rate",
+        "copy-heavy", "--json", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "SpecDecoding metrics: Mean acceptance length" in printed
+    assert "simulated acceptance: copy-heavy (per draft position 0.982, 0.954)" in printed
+    data = json.loads(out.read_text())
+    spec = data["runs"]["continuous"]["spec_decode"]
+    assert spec["spec_decode_num_drafts"] > 0 and spec["spec_decode_acceptance_rate"] > 0.8
+    assert data["deployment"]["acceptance_profile"]["name"] == "copy-heavy"
+    assert data["command"].startswith("minivllm ")
+
+
+def test_acceptance_profiles():
+    import random
+
+    from minivllm.simulator.acceptance import AcceptanceProfile
+
+    geometric = AcceptanceProfile.parse("0.5")
+    assert [geometric.rate_at(i) for i in range(3)] == [0.5, 0.25, 0.125]
+    listed = AcceptanceProfile.parse("0.8,0.4")  # later positions keep halving
+    assert [listed.rate_at(i) for i in range(4)] == [0.8, 0.4, 0.2, 0.1]
+    assert AcceptanceProfile.parse("copy-heavy").rate_per_pos == (0.982, 0.954, 0.922)
+    for bad in ("1.5", "-0.1", "0.3,0.6"):
+        with pytest.raises(ValueError):
+            AcceptanceProfile.parse(bad)
+    # one draw per verification: over many, each position is accepted at its rate
+    rng = random.Random(0)
+    draws = [listed.num_accepted(3, rng) for _ in range(20_000)]
+    for position, rate in enumerate([0.8, 0.4, 0.2]):
+        assert sum(n > position for n in draws) / len(draws) == pytest.approx(rate, abs=0.01)
+    assert {AcceptanceProfile.parse("1").num_accepted(3, rng) for _ in range(10)} == {3}
+    assert {AcceptanceProfile.parse("0").num_accepted(3, rng) for _ in range(10)} == {0}

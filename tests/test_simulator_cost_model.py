@@ -2,17 +2,15 @@
 
 import pytest
 
+from minivllm.models import arithmetic
+from minivllm.models.arithmetic import kv_bytes_per_token
 from minivllm.simulator.cost_model import (
     ChunkShape,
     StepShape,
     allreduce_seconds,
-    attention_flops,
     keys_attended,
-    kv_bytes_per_token,
     kv_read_bytes,
     kv_write_bytes,
-    linear_flops,
-    lm_head_flops,
     step_bytes,
     step_cost,
     step_flops,
@@ -20,34 +18,31 @@ from minivllm.simulator.cost_model import (
 )
 from minivllm.simulator.hardware import Hardware, get_hardware
 from minivllm.simulator.memory import activation_bytes, size_kv_pool
-from minivllm.simulator.models import MODELS, ModelShape, get_model
+from minivllm.simulator.models import MODELS, get_model, preset_name, shape_json
+from tests.test_model_arithmetic import tiny_config
 
 # q_size = 2 heads x 2 = 4, kv_size = 1 x 2 = 2.
 # One layer's matrices: q 4x4, k 4x2, v 4x2, o 4x4 = 48; MLP 3 x 4x8 = 96; total 144.
-TINY = ModelShape(
-    "tiny", "none", vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=2,
-    num_heads=2, num_kv_heads=1, head_dim=2, max_position_embeddings=64,
-)  # fmt: skip
+TINY = tiny_config()
 TOY_DEVICE = Hardware(
     "toy", peak_flops=1000.0, memory_bandwidth=100.0, memory_bytes=100_000, dtype_bytes=2,
     link_bandwidth=10.0, flops_efficiency=0.5, bandwidth_efficiency=0.5,
-    step_overhead_s=0.25, allreduce_latency_s=1.0,
+    step_overhead_s=0.25, link_latency_s=1.0,
 )  # fmt: skip
 
 
 def test_parameter_counts():
-    assert TINY.layer_linear_params == 144
-    assert TINY.layer_params == 144 + 2 * 4  # two RMSNorm weights
+    assert arithmetic.layer_matmul_parameters(TINY) == 144
+    assert arithmetic.layer_parameters(TINY) == 144 + 2 * 4  # two RMSNorm weights
     # embedding 40 + 2 layers x 152 + final norm 4 + untied LM head 40
-    assert TINY.num_parameters == 388
+    assert arithmetic.num_parameters(TINY) == 388
 
 
 def test_flops_by_hand():
-    assert linear_flops(TINY, 3) == 2 * 3 * 2 * 144  # 1728
     chunk = ChunkShape(num_tokens=3, context_len=5, sample=True)  # positions 2, 3, 4
     assert keys_attended(chunk) == 3 + 4 + 5
-    assert attention_flops(TINY, chunk) == 4 * 4 * 12 * 2  # 384
-    assert lm_head_flops(TINY, 1) == 2 * 4 * 10  # 80
+    # linear 2 x 3 rows x 2 layers x 144 = 1728; attention 4 x 4 x 12 x 2 = 384; LM head 80
+    assert step_flops(TINY, StepShape.of([chunk])) == 1728 + 384 + 80
     padding = ChunkShape(num_tokens=1, context_len=1, sample=False)  # 1 key, no LM head
     assert (
         step_flops(TINY, StepShape.of([chunk, padding]))
@@ -79,16 +74,37 @@ def test_step_time_is_the_roofline_plus_overhead():
     assert cost.seconds == pytest.approx(824 / 50 + 0.25)
 
 
+def test_drafts_verified_run_the_lm_head_on_every_verified_row():
+    """A decode with 3 drafts computes 4 rows and samples from all 4."""
+    verify = ChunkShape(num_tokens=4, context_len=10, sample=True, num_verified=4)
+    step = StepShape.of([verify])
+    assert step.num_sampled == 4
+    assert step_flops(TINY, step) == 2 * 4 * 2 * 144 + 4 * 4 * (7 + 8 + 9 + 10) * 2 + 4 * 80
+
+
 def test_tensor_parallel_splits_work_and_adds_allreduces():
     chunk = ChunkShape(num_tokens=3, context_len=5, sample=True)
     one, two = step_cost(TINY, TOY_DEVICE, [chunk]), step_cost(TINY, TOY_DEVICE, [chunk], tp=2)
-    assert two.flops == one.flops // 2
-    # Weights halve; with one KV head, each device still holds it: KV bytes stay.
-    assert two.bytes == 696 // 2 + 80 + 48
-    # 2 all-reduces x 2 layers, each 1 s latency + 2 x (1/2) x (3 rows x 4 x 2 bytes) / 10
-    assert allreduce_seconds(TINY, 3, TOY_DEVICE, 2) == pytest.approx(4 * (1 + 24 / 10))
-    assert two.communication_s == pytest.approx(4 * 3.4)
+    # Per device: 1 query head, the one KV head replicated, half the MLP and vocabulary:
+    # a layer's matrices 4 x (2 + 4) + 2 x 4 + 3 x 4 x 4 = 80 (not 144 / 2: k and v whole)
+    assert two.flops == 2 * 3 * 2 * 80 + 4 * 2 * 12 * 2 + 2 * 4 * 5
+    # weights: 2 layers x (80 + 8 norms) + final norm 4 + 5 vocabulary rows x 4, x 2 bytes;
+    # the replicated KV head's bytes stay whole
+    assert two.bytes == (2 * 88 + 4 + 20) * 2 + 80 + 48
+    # 2 all-reduces x 2 layers, each 2 ring steps x 1 s + 2 x (1/2) x (3 x 4 x 2 bytes) / 10
+    assert allreduce_seconds(TINY, 3, TOY_DEVICE, 2) == pytest.approx(4 * (2 + 24 / 10))
+    assert two.communication_s == pytest.approx(4 * 4.4)
     assert one.communication_s == 0
+
+
+def test_the_ring_allreduce_grows_with_the_devices():
+    """2 (tp - 1) latencies and 2 (tp - 1) / tp of the tensor per device: 8 devices pay
+    14 latencies, not one."""
+    for tp in (2, 4, 8):
+        ring = 2 * (tp - 1) * 1.0 + 2 * (tp - 1) / tp * 24 / 10
+        assert allreduce_seconds(TINY, 3, TOY_DEVICE, tp) == pytest.approx(4 * ring)
+    eight = allreduce_seconds(TINY, 3, TOY_DEVICE, 8)
+    assert eight > 3 * allreduce_seconds(TINY, 3, TOY_DEVICE, 2)
 
 
 def test_kv_pool_sizing_by_hand():
@@ -108,12 +124,13 @@ def test_kv_pool_sizing_by_hand():
 
 def test_llama_8b_on_h200_matches_the_published_shapes():
     llama = get_model("llama-3.1-8b")
-    assert round(llama.num_parameters / 1e9, 2) == 8.03
+    assert arithmetic.num_parameters(llama) == 8_030_261_248
     assert kv_bytes_per_token(llama, 2) == 128 * 1024
     sizing = size_kv_pool(llama, get_hardware("h200"))
     # 0.9 x 141 GiB - 14.96 GiB weights - activations, in 2 MiB blocks
     assert sizing.block_bytes == 2 << 20
-    expected = (int(0.9 * 141 * 2**30) - 2 * llama.num_parameters - sizing.activations) // (2 << 20)
+    weights = 2 * 8_030_261_248
+    expected = (int(0.9 * 141 * 2**30) - weights - sizing.activations) // (2 << 20)
     assert sizing.num_blocks == expected
     assert 50_000 < sizing.num_blocks < 60_000
 
@@ -122,6 +139,22 @@ def test_70b_does_not_fit_one_h200_but_fits_two():
     llama70 = get_model("llama-3.1-70b")
     assert size_kv_pool(llama70, get_hardware("h200")).num_blocks == 0
     assert size_kv_pool(llama70, get_hardware("h200"), tp=2).num_blocks > 10_000
+
+
+def test_kv_pool_per_device_follows_the_kv_heads_each_one_holds():
+    """8 KV heads: 2 devices hold 4 each (a block is a quarter of one device's), 16
+    devices hold 1 each, like 8 (a block as on 8 devices, replicated)."""
+    llama, h200 = get_model("llama-3.1-8b"), get_hardware("h200")
+    block = {tp: size_kv_pool(llama, h200, tp=tp).block_bytes for tp in (1, 2, 8, 16)}
+    assert block == {1: 2 << 20, 2: 1 << 20, 8: 256 << 10, 16: 256 << 10}
+
+
+def test_presets_are_model_configs_with_names():
+    assert preset_name(get_model("qwen3-8b")) == "qwen3-8b"
+    assert preset_name(TINY) == "custom"
+    shape = shape_json(get_model("llama-3.1-8b"))
+    assert shape["name"] == "llama-3.1-8b" and shape["num_kv_heads"] == 8
+    assert "inv_freq" not in shape
 
 
 def test_bad_presets_list_the_choices():
@@ -136,7 +169,7 @@ def test_smollm2_preset_matches_the_converted_checkpoint(smollm2_path):
     import json
 
     hf = json.loads((smollm2_path / "config.json").read_text())
-    shape = MODELS["smollm2-135m"]
+    shape = MODELS["smollm2-135m"]  # a ModelConfig
     assert (shape.hidden_size, shape.intermediate_size) == (
         hf["hidden_size"],
         hf["intermediate_size"],

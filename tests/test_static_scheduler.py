@@ -101,6 +101,23 @@ def test_max_num_seqs_caps_the_batch():
     assert [s.request_id for s in step(scheduler).scheduled_seqs] == ["a", "b"]
 
 
+def test_nobody_waits_preempted_and_nothing_is_drafted():
+    """The counters the engine's per-step snapshot reads stay zero: every member owns its
+    region, so none is preempted, and a static batch carries no draft tokens."""
+    scheduler = make_scheduler(num_blocks=8, max_num_seqs=1)
+    for name in "ab":
+        scheduler.add_request(make_seq(name, 2))
+    step(scheduler)
+    assert list(scheduler.waiting) == [scheduler.requests["b"]]
+    assert scheduler.num_waiting_preempted == 0 and scheduler.num_preemptions == 0
+    stats = scheduler.spec_decoding_stats
+    assert (stats.num_spec_tokens, stats.num_drafts, stats.num_accepted_tokens_per_pos) == (
+        0,
+        0,
+        [],
+    )
+
+
 def test_lockstep_decodes_pad_the_finished_members_until_the_batch_ends():
     scheduler = make_scheduler(max_model_len=16)
     a, b = make_seq("a", 3), make_seq("b", 5)

@@ -1,17 +1,27 @@
-"""Name -> attention backend class. Kernels plug in here without the engine knowing them."""
+"""Name -> attention backend class. Kernels plug in here without the engine knowing them.
+
+The core knows one backend by name, the plain-torch reference. Every other kernel, the
+bundled numba ones included, is found through the ``minivllm.attention_backends`` entry
+point group, declared in its package's ``pyproject.toml``: the same door a third-party
+backend uses (docs/kernels.md, "Writing your own backend").
+"""
 
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
 from minivllm.attention.backend import AttentionBackend
 
 ENTRY_POINT_GROUP = "minivllm.attention_backends"
 
-# Built-ins are imported lazily ("module:Class"), so choosing "torch" never imports numba.
-_BUILTIN: dict[str, str] = {
-    "torch": "minivllm.attention.torch_backend:TorchAttentionBackend",
+# Imported lazily ("module:Class"), so choosing "torch" never imports numba.
+_BUILTIN: dict[str, str] = {"torch": "minivllm.attention.torch_backend:TorchAttentionBackend"}
+# The bundled kernels' entry points, exactly as pyproject.toml declares them. Read only when
+# the installed metadata lacks them: an editable install made before they were declared
+# has no such entry points until `pip install -e .` runs again, and the kernels must not
+# disappear meanwhile. (tests/test_attention_registry.py keeps the two lists equal.)
+BUNDLED_ENTRY_POINTS: dict[str, str] = {
     "numba-cpu": "minivllm_kernels.numba_cpu:NumbaCpuAttentionBackend",
     "numba-cuda": "minivllm_kernels.numba_cuda:NumbaCudaAttentionBackend",
 }
@@ -28,8 +38,13 @@ def register_backend(backend_cls: type[AttentionBackend]) -> type[AttentionBacke
     return backend_cls
 
 
-def _entry_point_backends() -> dict[str, object]:
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+def _entry_point_backends() -> dict[str, EntryPoint]:
+    installed = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    bundled = {
+        name: EntryPoint(name, value, ENTRY_POINT_GROUP)
+        for name, value in BUNDLED_ENTRY_POINTS.items()
+    }
+    return bundled | installed
 
 
 def available_backends() -> list[str]:

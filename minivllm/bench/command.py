@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 from dataclasses import asdict
 
@@ -90,8 +89,8 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from minivllm.bench import report
-    from minivllm.bench.metrics import measure_matmul_peak
     from minivllm.bench.runner import run_engine
+    from minivllm.simulator.hardware_probe import measure_matmul_peak
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -117,31 +116,19 @@ def run_bench(args: argparse.Namespace) -> int:
     _add_model_flops(runs, model_path)
     context = _context(args, configs[0], workload, max_model_len, num_kv_blocks)
     context["matmul_peak_gflops"] = measure_matmul_peak()
-    print()
-    print(context["title"])
-    print(report.format_table(runs, brief=args.brief))
-    print("(percentiles: nearest rank, each one a latency some request or token really had)")
-    for line in report.conclusions(runs):
-        print(line)
-    print(
+    notes = ["(percentiles: nearest rank, each one a latency some request or token really had)"]
+    notes += report.conclusions(runs)
+    notes.append(
         f"\nfp32 matmul peak measured just now: {context['matmul_peak_gflops']:.0f} GFLOP/s "
         f"({_threads(torch.get_num_threads())}); model GFLOP/s counts useful work only "
         "(no padding, no recomputation)"
     )
-    for run in runs:
-        if run.spec_decoding is not None:
-            print(f"\n{run.name}: {run.spec_decoding.log_line()}")
     agree = report.outputs_agree(runs, "static", "continuous")
     if agree:
-        print(f"\ngreedy outputs identical under both policies: {agree[0]}/{agree[1]} requests")
-    if args.json:
-        report.write_json(args.json, runs, context)
-        print(f"\nJSON: {args.json}")
-    if args.plot:
-        from minivllm.bench.plots import write_all
-
-        paths = write_all(runs, args.plot)
-        print("plots: " + ", ".join(str(p) for p in paths))
+        notes.append(
+            f"\ngreedy outputs identical under both policies: {agree[0]}/{agree[1]} requests"
+        )
+    report.print_and_save(runs, context, args.json, args.plot, notes, brief=args.brief)
     return 0
 
 
@@ -161,28 +148,19 @@ def _run_over_http(args: argparse.Namespace, workload: Workload, model_path) -> 
     )
     _add_model_flops([run], model_path)
     context = _context(args, None, workload, None, None)
-    print()
-    print(context["title"])
-    print(report.format_table([run]))
-    if args.json:
-        report.write_json(args.json, [run], context)
-        print(f"\nJSON: {args.json}")
-    if args.plot:
-        from minivllm.bench.plots import write_all
-
-        paths = write_all([run], args.plot)
-        print("plots: " + ", ".join(str(p) for p in paths))
+    report.print_and_save([run], context, args.json, args.plot)
     return 0
 
 
 def _add_model_flops(runs, model_path) -> None:
     """Each run's useful work, from the model's shape and the requests' lengths."""
+    from minivllm.models.arithmetic import request_flops
     from minivllm.models.loader import load_hf_config, model_config_from_hf
 
     model_config = model_config_from_hf(load_hf_config(model_path))
     for run in runs:
         run.summary.model_flops = sum(
-            model_config.request_flops(r.num_prompt_tokens, r.num_output_tokens)
+            request_flops(model_config, r.num_prompt_tokens, r.num_output_tokens)
             for r in run.requests
         )
 
@@ -270,11 +248,13 @@ def _context(args, config, workload: Workload, max_model_len: int, num_kv_blocks
         mode += f", max concurrency {args.max_concurrency}"
     import torch
 
+    from minivllm.bench import report
+
     if config is None:  # --base-url: the server's configuration is its own
         title = f"server {args.base_url} over HTTP\n{workload.describe()} | {mode}"
         return {
             "title": title,
-            "command": "minivllm " + shlex.join(sys.argv[1:]) if sys.argv else None,
+            "command": report.command_line(),
             "base_url": args.base_url,
             "workload": _workload_json(args, workload, mode),
         }
@@ -294,7 +274,7 @@ def _context(args, config, workload: Workload, max_model_len: int, num_kv_blocks
     engine_config.pop("scheduling_policy")
     return {
         "title": title,
-        "command": "minivllm " + shlex.join(sys.argv[1:]) if sys.argv else None,
+        "command": report.command_line(),
         "engine_config": engine_config,
         "workload": _workload_json(args, workload, mode),
         "torch_threads": torch.get_num_threads(),

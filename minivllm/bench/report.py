@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shlex
+import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -168,3 +171,38 @@ def _percent(value: float | None) -> float | None:
 
 def _cell(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
+
+
+def command_line() -> str | None:
+    """The command that produced a result, as one would type it again."""
+    return "minivllm " + shlex.join(sys.argv[1:]) if sys.argv else None
+
+
+def print_and_save(
+    runs: list[BenchRun],
+    context: dict,
+    json_path: str | None = None,
+    plot_dir: str | None = None,
+    notes: list[str] | tuple[str, ...] = (),
+    brief: bool = False,
+    write_plots: Callable[[list[BenchRun], str], list] | None = None,
+) -> None:
+    """The end of ``minivllm bench`` and ``minivllm simulate``: the title and the table,
+    the command's ``notes``, each speculating run's acceptance (vLLM's log line), then
+    the JSON file and the plots (bench's `plots.write_all` unless ``write_plots``)."""
+    print()
+    print(context["title"])
+    print(format_table(runs, brief=brief))
+    for line in notes:
+        print(line)
+    for run in runs:
+        if run.spec_decoding is not None:
+            print(f"\n{run.name}: {run.spec_decoding.log_line()}")
+    if json_path:
+        write_json(json_path, runs, context)
+        print(f"\nJSON: {json_path}")
+    if plot_dir:
+        if write_plots is None:
+            from minivllm.bench.plots import write_all as write_plots
+        paths = write_plots(runs, plot_dir)
+        print("plots: " + ", ".join(str(p) for p in paths))

@@ -9,7 +9,6 @@ in flight (vLLM's ``--max-concurrency``); a held request's clock starts when it 
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,9 +19,9 @@ from minivllm.bench.metrics import RequestResult, RunSummary, summarize
 from minivllm.bench.workloads import BenchRequest, Workload
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
-from minivllm.metrics import StepStats
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.spec_decode import SpecDecodingStats
+from minivllm.stats import StepStats
 
 
 @dataclass
@@ -63,13 +62,14 @@ def run_engine(
         raise ValueError(f"max_concurrency must be a positive int or None, got {max_concurrency}")
     engine = engine or LLMEngine(config)
     _warm_up(engine, workload)
-    spec_before = copy.deepcopy(engine.spec_decoding_stats)
+    before = engine.make_stats()  # the totals the warm-up left
     engine.step_log = []
     desc = f"minivllm {engine.config.scheduling_policy}"
     with tqdm(total=len(workload.requests), desc=desc, disable=not progress) as bar:
         start, results, token_ids = _drive(engine, workload, max_concurrency, bar)
     duration = time.perf_counter() - start
     steps, engine.step_log = engine.step_log, None
+    after = engine.make_stats()
     summary = summarize(
         results,
         duration,
@@ -77,16 +77,14 @@ def run_engine(
         block_size=engine.config.block_size,
         num_preemptions=sum(len(s.preempted_ids) for s in steps),
         prefix_cache_hit_rate=(
-            engine.kv_cache_manager.prefix_cache_stats.hit_rate
-            if engine.config.enable_prefix_caching
-            else None
+            after.prefix_cache.hit_rate if engine.config.enable_prefix_caching else None
         ),
     )
     policy, block_size = engine.config.scheduling_policy, engine.config.block_size
-    spec = engine.spec_decoding_stats
+    spec = after.spec_decoding
     return BenchRun(
         policy, summary, results, start, steps, token_ids, block_size, engine.num_kv_blocks,
-        spec - spec_before if spec is not None else None,
+        spec - before.spec_decoding if spec is not None else None,
     )  # fmt: skip
 
 

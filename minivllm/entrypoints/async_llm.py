@@ -27,9 +27,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from minivllm.engine import LLMEngine, Prompt
-from minivllm.metrics import StepStats
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.stats import StepStats
 
 logger = logging.getLogger("minivllm.serve")
 
@@ -192,7 +192,6 @@ class AsyncLLM:
 
     def _run(self) -> None:
         engine = self.engine
-        engine.step_log = []  # the engine records a StepStats per step; taken after each
         while not self._stopping:
             # Clear before draining: a command queued after the drain sets the event again,
             # so the wait below cannot miss it.
@@ -219,10 +218,9 @@ class AsyncLLM:
         except Exception as e:
             self._fail_step(e)
             return
-        steps, engine.step_log = engine.step_log, []
-        for stats in steps:
+        if engine.last_stats is not None:  # the step ran: the engine's snapshot of it
             self._num_steps += 1
-            record = StepRecord(self._num_steps, stats)
+            record = StepRecord(self._num_steps, engine.last_stats)
             self.recent_steps.append(record)
             for listener in self.step_listeners:
                 _call_logged(listener, record, outputs)
@@ -248,7 +246,6 @@ class AsyncLLM:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.put_threadsafe(RuntimeError(f"the engine failed on this request: {error}"))
-        self.engine.step_log = []
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, stream in list(self._streams.items()):

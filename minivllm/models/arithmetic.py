@@ -1,11 +1,27 @@
-"""The model's arithmetic in one place: how a model is cut across tensor-parallel ranks.
+"""The model's arithmetic in one place: parameters, FLOPs and KV bytes, and how tensor
+parallelism cuts them across ranks.
 
-The real sharded model (`tensor_parallel_size` workers) and the simulator's cost model
-both ask these functions, so a deployment the engine would refuse is refused by the
-simulator with the same message, and both agree on what one device holds.
+Everything that counts a model asks these functions: the executor sizing the real KV
+pool, the bench's useful-work GFLOP/s, the simulator's roofline and its KV pool, and the
+real sharded model (`tensor_parallel_size` workers). So a deployment the engine would
+refuse is refused by the simulator with the same message, and all of them agree on what
+one device holds and computes.
+
+Conventions: 2 FLOPs per multiply-add; only matrix multiplies and attention count (norms,
+rotary and activations are a rounding error next to them). With ``tp`` ranks (vLLM's
+layout): query heads, the MLP's columns and the vocabulary are split evenly; KV heads
+too, or replicated when there are more ranks than KV heads; norms are replicated. Every
+``tp=1`` count is the whole model's.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from minivllm.utils import cdiv
+
+if TYPE_CHECKING:
+    from minivllm.models.llama import ModelConfig
 
 
 def check_tensor_parallel(num_heads: int, num_kv_heads: int, tensor_parallel_size: int) -> None:
@@ -31,3 +47,115 @@ def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
     """KV heads one rank holds: an even share, or one replicated head when there are more
     ranks than KV heads (as vLLM replicates them)."""
     return max(1, num_kv_heads // tensor_parallel_size)
+
+
+# --- parameters ----------------------------------------------------------------------
+
+
+def layer_matmul_parameters(config: ModelConfig, tp: int = 1) -> int:
+    """One layer's matrix weights on one rank: the fused q/k/v projection, o, and the
+    SwiGLU MLP's gate, up and down."""
+    c = config
+    q_size = c.num_heads // tp * c.head_dim
+    kv_size = kv_heads_per_rank(c.num_kv_heads, tp) * c.head_dim
+    attention = c.hidden_size * (q_size + 2 * kv_size) + q_size * c.hidden_size
+    mlp = 3 * c.hidden_size * cdiv(c.intermediate_size, tp)
+    return attention + mlp
+
+
+def layer_parameters(config: ModelConfig, tp: int = 1) -> int:
+    """One layer on one rank: the matrices, their biases where the model has them, two
+    RMSNorms (replicated) and Qwen3's per-head q/k norms."""
+    c = config
+    q_size = c.num_heads // tp * c.head_dim
+    kv_size = kv_heads_per_rank(c.num_kv_heads, tp) * c.head_dim
+    biases = (q_size + 2 * kv_size) * c.qkv_bias + c.hidden_size * c.o_bias
+    biases += (2 * cdiv(c.intermediate_size, tp) + c.hidden_size) * c.mlp_bias
+    norms = 2 * c.hidden_size + 2 * c.head_dim * c.qk_norm
+    return layer_matmul_parameters(c, tp) + biases + norms
+
+
+def vocab_parameters(config: ModelConfig, tp: int = 1) -> int:
+    """The input embedding (and, separately, an untied LM head) on one rank: its share
+    of the vocabulary's rows."""
+    return cdiv(config.vocab_size, tp) * config.hidden_size
+
+
+def num_parameters(config: ModelConfig, tp: int = 1) -> int:
+    """Every parameter one rank holds: embedding, layers, final norm, and the LM head
+    unless it is the embedding itself. ``tp=1``: the loaded model's ``numel()``."""
+    c = config
+    lm_head = 0 if c.tie_word_embeddings else vocab_parameters(c, tp)
+    return (
+        vocab_parameters(c, tp) + c.num_layers * layer_parameters(c, tp) + c.hidden_size + lm_head
+    )
+
+
+# --- FLOPs ---------------------------------------------------------------------------
+
+
+def keys_attended(num_tokens: int, start_position: int = 0) -> int:
+    """Keys the rows of a chunk attend to, summed: the row at position ``p`` sees
+    ``p + 1`` keys (causal), for positions ``start_position .. + num_tokens - 1``."""
+    n = num_tokens
+    return n * start_position + n * (n + 1) // 2
+
+
+def linear_flops(config: ModelConfig, num_rows: int, tp: int = 1) -> int:
+    """Every layer's matrix multiplies for ``num_rows`` token rows, on one rank."""
+    return 2 * num_rows * config.num_layers * layer_matmul_parameters(config, tp)
+
+
+def attention_flops(config: ModelConfig, num_keys_attended: int, tp: int = 1) -> int:
+    """q.k and p.v, 2 FLOPs each per query head, head dimension and key, every layer, on
+    one rank (its share of the query heads)."""
+    q_size = config.num_heads // tp * config.head_dim
+    return 4 * q_size * num_keys_attended * config.num_layers
+
+
+def lm_head_flops(config: ModelConfig, num_sampled: int, tp: int = 1) -> int:
+    """The vocabulary projection, only for the rows a token is sampled from."""
+    return 2 * config.hidden_size * cdiv(config.vocab_size, tp) * num_sampled
+
+
+def forward_flops(
+    config: ModelConfig, num_rows: int, num_keys_attended: int, num_sampled: int, tp: int = 1
+) -> int:
+    """One forward pass on one rank: ``num_rows`` rows through every layer, attention
+    over ``num_keys_attended`` keys in all, the LM head for ``num_sampled`` rows."""
+    return (
+        linear_flops(config, num_rows, tp)
+        + attention_flops(config, num_keys_attended, tp)
+        + lm_head_flops(config, num_sampled, tp)
+    )
+
+
+def prefill_flops(config: ModelConfig, num_prompt_tokens: int, tp: int = 1) -> int:
+    """A whole prompt in one pass, and its first output token sampled."""
+    n = num_prompt_tokens
+    return forward_flops(config, n, keys_attended(n), 1, tp)
+
+
+def decode_flops(config: ModelConfig, context_len: int, tp: int = 1) -> int:
+    """One decode step of one request whose context, this row included, is
+    ``context_len`` tokens."""
+    return forward_flops(config, 1, context_len, 1, tp)
+
+
+def request_flops(config: ModelConfig, num_prompt_tokens: int, num_output_tokens: int) -> int:
+    """Floating-point operations one request needs at the least, as in model-FLOPs
+    utilisation: every token but the last goes through all projections; each output
+    token comes from one vocabulary projection; attention at position ``p`` reads
+    ``p + 1`` keys and values. Padding and recomputation are not counted: they are
+    waste, not work. Equals `prefill_flops` plus one `decode_flops` per later token."""
+    num_rows = num_prompt_tokens + num_output_tokens - 1
+    return forward_flops(config, num_rows, keys_attended(num_rows), num_output_tokens)
+
+
+# --- KV cache ------------------------------------------------------------------------
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
+    """One token's keys and values, every layer, on one rank (its KV heads)."""
+    kv_heads = kv_heads_per_rank(config.num_kv_heads, tp)
+    return 2 * config.num_layers * kv_heads * config.head_dim * dtype_bytes

@@ -19,11 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention import AttentionBackend, AttentionMetadata, write_kv_cache
+from minivllm.models import arithmetic
 from minivllm.models.linear import Linear
 
 
 @dataclass
 class ModelConfig:
+    """The model's shape; what follows from it (parameters, FLOPs, KV bytes, the
+    tensor-parallel split) is computed in `minivllm.models.arithmetic`."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,24 +46,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
 
     def request_flops(self, num_prompt_tokens: int, num_output_tokens: int) -> int:
-        """Floating-point operations one request needs at the least (2 per multiply-add),
-        as in model-FLOPs utilisation: every token but the last goes through all
-        projections; each output token comes from one vocabulary projection; attention
-        at position ``p`` reads ``p + 1`` keys and values. Padding and recomputation are
-        not counted: they are waste, not work."""
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        projections = (
-            self.hidden_size * (2 * q_size + 2 * kv_size)
-            + 3 * self.hidden_size * self.intermediate_size
-        )
-        num_rows = num_prompt_tokens + num_output_tokens - 1
-        keys_read = num_rows * (num_rows + 1) // 2  # sum over positions p of (p + 1)
-        attention = 4 * q_size * keys_read  # q.k and p.v, per query head and key
-        return (
-            2 * self.num_layers * projections * num_rows
-            + self.num_layers * attention
-            + 2 * self.hidden_size * self.vocab_size * num_output_tokens
-        )
+        """The useful FLOPs of one request: `minivllm.models.arithmetic.request_flops`."""
+        return arithmetic.request_flops(self, num_prompt_tokens, num_output_tokens)
 
 
 class RMSNorm(nn.Module):

@@ -124,16 +124,22 @@ def _load_weights(model: CausalLM, path: Path, config: ModelConfig) -> None:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {str(path)!r}")
-    weights: dict[str, torch.Tensor] = {}
+    stored: dict[str, tuple[Path, str]] = {}  # our name -> (file, name in the file)
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                weights[name.removeprefix("model.")] = f.get_tensor(name)
+                stored[name.removeprefix("model.")] = (file, name)
 
     def take(name: str) -> torch.Tensor:
-        if name not in weights:
+        # One tensor at a time, from a file opened for it alone: safetensors maps the
+        # file into memory, and the pages read stay counted in this process's resident
+        # memory until the file is closed, so a file held open through the whole load
+        # would add a second full copy of the model to the peak.
+        if name not in stored:
             raise ValueError(f"checkpoint {str(path)!r} has no weight {name!r}")
-        return weights.pop(name)
+        file, stored_name = stored.pop(name)
+        with safe_open(file, framework="pt") as f:
+            return f.get_tensor(stored_name)
 
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -188,10 +194,10 @@ def _load_weights(model: CausalLM, path: Path, config: ModelConfig) -> None:
     missing = set(params) - loaded
     if config.tie_word_embeddings:
         missing.discard("lm_head.weight")
-        weights.pop("lm_head.weight", None)  # some tied checkpoints store a copy anyway
+        stored.pop("lm_head.weight", None)  # some tied checkpoints store a copy anyway
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} left model weights unset: {sorted(missing)}")
-    unused = [n for n in weights if "rotary_emb" not in n]
+    unused = [n for n in stored if "rotary_emb" not in n]
     if unused:
         raise ValueError(
             f"checkpoint {str(path)!r} has weights the model doesn't use: {unused[:5]}"

@@ -24,10 +24,10 @@ import numpy as np
 from minivllm.bench.runner import BenchRun, run_engine
 from minivllm.bench.workloads import LengthDistribution, Workload, synthetic
 from minivllm.config import EngineConfig
-from minivllm.metrics import StepStats
 from minivllm.simulator.cluster import Deployment, build_replica, simulate
 from minivllm.simulator.hardware import Hardware, measure_this_cpu, with_overrides
 from minivllm.simulator.models import get_model
+from minivllm.stats import StepStats
 
 SMOLLM2 = get_model("smollm2-135m")
 

@@ -19,11 +19,15 @@ from minivllm.bench.runner import BenchRun, exact_params
 from minivllm.bench.workloads import BenchRequest, Workload
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
-from minivllm.metrics import StepStats
+from minivllm.models.arithmetic import check_tensor_parallel, request_flops
+from minivllm.models.llama import ModelConfig
+from minivllm.simulator.acceptance import AcceptanceProfile
 from minivllm.simulator.clock import SimClock
 from minivllm.simulator.executor import SimulatedExecutor
 from minivllm.simulator.hardware import Hardware
-from minivllm.simulator.models import ModelShape
+from minivllm.simulator.models import preset_name
+from minivllm.spec_decode import SpecDecodingStats
+from minivllm.stats import StepStats
 
 ROUTERS = ("round-robin", "least-loaded")
 
@@ -31,16 +35,22 @@ ROUTERS = ("round-robin", "least-loaded")
 @dataclass
 class Deployment:
     """What serves the traffic: ``num_replicas`` copies of ``model``, each on
-    ``tensor_parallel_size`` devices of ``hardware``."""
+    ``tensor_parallel_size`` devices of ``hardware``; a split the real engine would
+    refuse is refused here, with its message. ``acceptance_profile``: how many draft
+    tokens verify, when the engine config turns speculative decoding on."""
 
-    model: ModelShape
+    model: ModelConfig
     hardware: Hardware
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
     num_replicas: int = 1
     router: str = "round-robin"
+    acceptance_profile: AcceptanceProfile | None = None
 
     def __post_init__(self) -> None:
+        check_tensor_parallel(
+            self.model.num_heads, self.model.num_kv_heads, self.tensor_parallel_size
+        )
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r}; choose from {', '.join(ROUTERS)}")
         if self.num_replicas < 1:
@@ -49,6 +59,10 @@ class Deployment:
     @property
     def num_devices(self) -> int:
         return self.num_replicas * self.tensor_parallel_size
+
+    @property
+    def model_name(self) -> str:
+        return preset_name(self.model)
 
 
 @dataclass
@@ -84,8 +98,9 @@ class Replica:
             )
 
 
-def build_replica(config: EngineConfig, deployment: Deployment) -> Replica:
-    """A real `LLMEngine` on a `SimulatedExecutor`, both reading one simulated clock."""
+def build_replica(config: EngineConfig, deployment: Deployment, seed: int = 0) -> Replica:
+    """A real `LLMEngine` on a `SimulatedExecutor`, both reading one simulated clock;
+    ``seed`` seeds the replica's draws of accepted drafts."""
     clock = SimClock()
     executor = SimulatedExecutor(
         deployment.model,
@@ -94,6 +109,8 @@ def build_replica(config: EngineConfig, deployment: Deployment) -> Replica:
         clock,
         deployment.tensor_parallel_size,
         deployment.gpu_memory_utilization,
+        deployment.acceptance_profile,
+        seed,
     )
     return Replica(LLMEngine(config, executor=executor, clock=clock), clock, executor)
 
@@ -107,7 +124,7 @@ def simulate(
 ) -> BenchRun:
     """Run ``workload`` on the deployment; one `BenchRun` over all replicas, in
     simulated seconds (bench's table, JSON and plots take it as it is)."""
-    replicas = [build_replica(config, deployment) for _ in range(deployment.num_replicas)]
+    replicas = [build_replica(config, deployment, seed) for seed in range(deployment.num_replicas)]
     if record_steps:
         for replica in replicas:
             replica.engine.step_log = []
@@ -128,6 +145,9 @@ def simulate(
         block_size=config.block_size,
         num_preemptions=sum(r.engine.scheduler.num_preemptions for r in replicas),
     )
+    summary.model_flops = sum(
+        request_flops(deployment.model, r.num_prompt_tokens, r.num_output_tokens) for r in results
+    )  # the bench's useful work, so its "model GFLOP/s" row compares
     return BenchRun(
         name or config.scheduling_policy,
         summary,
@@ -136,7 +156,23 @@ def simulate(
         steps=steps,
         block_size=config.block_size,
         num_kv_blocks=replicas[0].engine.num_kv_blocks,
+        spec_decoding=_spec_decoding(replicas),
     )
+
+
+def _spec_decoding(replicas: list[Replica]) -> SpecDecodingStats | None:
+    """The replicas' speculative-decoding counters, added up (None: speculation off)."""
+    stats = [r.engine.spec_decoding_stats for r in replicas]
+    if stats[0] is None:
+        return None
+    total = SpecDecodingStats(stats[0].num_spec_tokens)
+    for s in stats:
+        total.num_drafts += s.num_drafts
+        total.num_draft_tokens += s.num_draft_tokens
+        total.num_accepted_tokens += s.num_accepted_tokens
+        for position, n in enumerate(s.num_accepted_tokens_per_pos):
+            total.num_accepted_tokens_per_pos[position] += n
+    return total
 
 
 def _run_until(replicas: list[Replica], time: float, prompt_lens: dict[str, int]) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 from dataclasses import asdict, replace
 
 from minivllm import arg_types
 from minivllm.config import SCHEDULING_POLICIES
+from minivllm.simulator import acceptance
 from minivllm.simulator.cluster import ROUTERS
 from minivllm.simulator.hardware import HARDWARE_CHOICES
 from minivllm.simulator.models import MODELS
@@ -57,6 +57,16 @@ def add_simulate_arguments(sim: argparse.ArgumentParser) -> None:
         help="override, like --prompt-len",
     )
     w.add_argument("--workload-seed", type=arg_types.non_negative_int, default=0)
+    s = sim.add_argument_group("speculative decoding (with --speculative-config)")
+    s.add_argument(
+        "--acceptance-rate",
+        default=None,
+        metavar="RATE",
+        help="how many drafts the model would accept: a measured preset ("
+        + ", ".join(acceptance.MEASURED)
+        + f"; default {acceptance.DEFAULT}), one rate per draft given the ones before it "
+        "were accepted (e.g. 0.7), or comma-separated rates per draft position",
+    )
     m = sim.add_argument_group("modes")
     m.add_argument(
         "--search-p99-ttft",
@@ -108,15 +118,16 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     runs = [simulate(config, deployment, workload) for config in configs]
     context = _context(args, configs[0], deployment, workload, runs[0].num_kv_blocks)
-    print()
-    print(context["title"])
-    print(report.format_table(runs))
-    if args.json:
-        report.write_json(args.json, runs, context)
-        print(f"\nJSON: {args.json}")
-    if args.plot:
-        paths = write_plots(runs, args.plot)
-        print("plots: " + ", ".join(str(p) for p in paths))
+    notes = []
+    spec = configs[0].speculative_config
+    if spec is not None:
+        profile = deployment.acceptance_profile
+        rates = ", ".join(f"{profile.rate_at(i):.3f}" for i in range(spec.num_speculative_tokens))
+        notes.append(
+            f"\nsimulated acceptance: {profile.name} (per draft position {rates}); every "
+            "decode carries drafts (the placeholder outputs always match an n-gram)"
+        )
+    report.print_and_save(runs, context, args.json, args.plot, notes, write_plots=write_plots)
     return 0
 
 
@@ -126,7 +137,7 @@ def _search(args, configs, deployment, workload, search_replicas) -> int:
     target = args.search_p99_ttft
     print(
         f"\nreplicas of {deployment.tensor_parallel_size} x {deployment.hardware.name} "
-        f"({deployment.model.name}, {deployment.router}) for {args.request_rate:g} req/s "
+        f"({deployment.model_name}, {deployment.router}) for {args.request_rate:g} req/s "
         f"at P99 TTFT <= {target:g} s"
     )
     for config in configs:
@@ -168,12 +179,15 @@ def _workload(args):
 
 
 def _deployment(args):
+    """The deployment from the flags; a tensor-parallel split the real engine refuses
+    fails here, before any work, with the engine's message."""
+    from minivllm.simulator.acceptance import AcceptanceProfile
     from minivllm.simulator.cluster import Deployment
     from minivllm.simulator.hardware import get_hardware
     from minivllm.simulator.models import get_model
 
-    if args.tensor_parallel_size < 1:
-        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    if args.acceptance_rate is not None and args.speculative_config is None:
+        raise ValueError("--acceptance-rate needs --speculative-config")
     return Deployment(
         get_model(args.model),
         get_hardware(args.hardware),
@@ -181,6 +195,7 @@ def _deployment(args):
         args.gpu_memory_utilization,
         args.num_replicas,
         args.router,
+        AcceptanceProfile.parse(args.acceptance_rate or acceptance.DEFAULT),
     )
 
 
@@ -194,14 +209,18 @@ def _engine_config(args, policy: str, max_model_len: int):
 
 
 def _context(args, config, deployment, workload, num_kv_blocks: int) -> dict:
+    from minivllm.bench import report
+    from minivllm.simulator.models import shape_json
+    from minivllm.utils import cdiv
+
     mode = (
         "offline (all requests at t=0)"
         if not math.isfinite(args.request_rate)
         else f"online, Poisson {args.request_rate:g} req/s"
     )
-    blocks_per_region = -(-config.max_model_len // config.block_size)
+    blocks_per_region = cdiv(config.max_model_len, config.block_size)
     title = (
-        f"simulated: {deployment.model.name} on {deployment.num_replicas} x "
+        f"simulated: {deployment.model_name} on {deployment.num_replicas} x "
         f"{deployment.tensor_parallel_size} x {deployment.hardware.name} ({deployment.router}) | "
         f"max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
         f"{config.max_num_batched_tokens}, max_model_len {config.max_model_len}, "
@@ -211,15 +230,18 @@ def _context(args, config, deployment, workload, num_kv_blocks: int) -> dict:
     )
     return {
         "title": title,
-        "command": "minivllm " + shlex.join(sys.argv[1:]) if sys.argv else None,
+        "command": report.command_line(),
         "simulated": True,
         "deployment": {
-            "model": asdict(deployment.model),
+            "model": shape_json(deployment.model),
             "hardware": asdict(deployment.hardware),
             "tensor_parallel_size": deployment.tensor_parallel_size,
             "gpu_memory_utilization": deployment.gpu_memory_utilization,
             "num_replicas": deployment.num_replicas,
             "router": deployment.router,
+            "acceptance_profile": (
+                asdict(deployment.acceptance_profile) if config.speculative_config else None
+            ),
         },
         "engine_config": asdict(config) | {"num_kv_blocks": num_kv_blocks},
         "workload": {

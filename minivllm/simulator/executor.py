@@ -6,22 +6,33 @@ the scheduled chunks into `ChunkShape`s, asks the cost model how long that step 
 take on the simulated hardware, moves the simulated clock forward by that much, and
 "samples" a placeholder token for every chunk that samples. Requests end at their
 ``max_tokens`` (the workload's output length, with ``ignore_eos``).
+
+With speculative decoding, a decode chunk carries draft tokens; the executor costs
+their rows and keeps as many as the `AcceptanceProfile` draws (acceptance.py), so the
+scheduler's own bookkeeping (rollback of the rejected ones, the acceptance counters)
+runs as with a real model.
 """
 
 from __future__ import annotations
+
+import random
 
 import torch
 
 from minivllm.config import EngineConfig
 from minivllm.executor import resolve_max_model_len
 from minivllm.input_batch import InputBatch
+from minivllm.models.arithmetic import check_tensor_parallel
+from minivllm.models.llama import ModelConfig
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import SchedulerOutput
+from minivllm.simulator import acceptance
+from minivllm.simulator.acceptance import AcceptanceProfile
 from minivllm.simulator.clock import SimClock
 from minivllm.simulator.cost_model import ChunkShape, StepCost, step_cost
 from minivllm.simulator.hardware import Hardware
 from minivllm.simulator.memory import KVPoolSizing, size_kv_pool
-from minivllm.simulator.models import ModelShape
+from minivllm.simulator.models import preset_name
 
 PLACEHOLDER_TOKEN = 0
 
@@ -31,20 +42,25 @@ class SimulatedExecutor:
 
     def __init__(
         self,
-        model: ModelShape,
+        model: ModelConfig,
         hardware: Hardware,
         config: EngineConfig,
         clock: SimClock,
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.9,
+        acceptance_profile: AcceptanceProfile | None = None,
+        seed: int = 0,
     ) -> None:
-        if tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        """``acceptance_profile``: how many drafts verify, with speculative decoding
+        (default: the measured ``no-copy`` preset); ``seed`` seeds its draws."""
+        check_tensor_parallel(model.num_heads, model.num_kv_heads, tensor_parallel_size)
         self.model = model
         self.hardware = hardware
         self.clock = clock
         self.tensor_parallel_size = tensor_parallel_size
-        self.model_config = model.to_model_config()
+        self.model_config = model
+        self.acceptance = acceptance_profile or AcceptanceProfile.parse(acceptance.DEFAULT)
+        self.rng = random.Random(seed)
         self.eos_token_ids: frozenset[int] = frozenset()  # never reached: ignore_eos
         self.device = torch.device("cpu")  # where per-request generators would live
         self.kv_pool: KVPoolSizing = size_kv_pool(
@@ -59,7 +75,7 @@ class SimulatedExecutor:
         self.num_kv_blocks = config.num_kv_blocks or self.kv_pool.num_blocks
         if self.num_kv_blocks < 1:
             raise ValueError(
-                f"{model.name} does not fit on {tensor_parallel_size} x {hardware.name} at "
+                f"{preset_name(model)} does not fit on {tensor_parallel_size} x {hardware.name} at "
                 f"gpu_memory_utilization={gpu_memory_utilization}: weights "
                 f"{self.kv_pool.weights / 2**30:.1f} GiB + activations "
                 f"{self.kv_pool.activations / 2**30:.1f} GiB per device leave no room for KV "
@@ -77,11 +93,21 @@ class SimulatedExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.input_batch.prepare(scheduler_output)
         chunks = [
-            ChunkShape(len(c.token_ids), c.context_len, c.sample) for c in scheduler_output.chunks
+            ChunkShape(len(c.token_ids), c.context_len, c.sample, 1 + c.num_draft_tokens)
+            for c in scheduler_output.chunks
         ]
         cost = step_cost(self.model, self.hardware, chunks, self.tensor_parallel_size)
         self.clock.advance(cost.seconds)
         if self.step_costs is not None:
             self.step_costs.append(cost)
-        sampled = {c.request_id: [PLACEHOLDER_TOKEN] for c in scheduler_output.chunks if c.sample}
+        sampled = {
+            c.request_id: [PLACEHOLDER_TOKEN] * (1 + self._num_accepted(c.num_draft_tokens))
+            for c in scheduler_output.chunks
+            if c.sample
+        }
         return ModelRunnerOutput(sampled_token_ids=sampled)
+
+    def _num_accepted(self, num_drafts: int) -> int:
+        """The drafts the model would have kept (the accepted ones and one more token are
+        returned: the rejection sampler's bonus or correction)."""
+        return self.acceptance.num_accepted(num_drafts, self.rng) if num_drafts else 0

@@ -30,7 +30,9 @@ class Hardware:
     flops_efficiency: float = 0.7  # achievable / peak (assumed for GPUs)
     bandwidth_efficiency: float = 0.85  # achievable / peak (assumed for GPUs)
     step_overhead_s: float = 1e-3  # per step, outside the model (assumed for GPUs)
-    allreduce_latency_s: float = 10e-6  # fixed cost of one all-reduce (assumed)
+    # One step of a ring all-reduce (2 (tp - 1) steps each): NCCL's low-latency protocols
+    # take 1-2 us per hop over NVLink (assumed the same over PCIe: small messages).
+    link_latency_s: float = 2e-6
 
     @property
     def achievable_flops(self) -> float:
@@ -79,7 +81,7 @@ def measure_this_cpu(seconds: float = 0.5, step_overhead_s: float = 0.0) -> Hard
     matmul rate and the rate at which a sum streams a large tensor from memory, taken as
     achieved rates (efficiencies 1). `calibrate.py` fits the per-step overhead and the
     efficiency of the model's own steps from a real run."""
-    from minivllm.bench.metrics import measure_matmul_peak, measure_read_bandwidth
+    from minivllm.simulator.hardware_probe import measure_matmul_peak, measure_read_bandwidth
 
     flops = measure_matmul_peak(size=1024, seconds=seconds) * 1e9
     return Hardware(
@@ -92,7 +94,7 @@ def measure_this_cpu(seconds: float = 0.5, step_overhead_s: float = 0.0) -> Hard
         flops_efficiency=1.0,
         bandwidth_efficiency=1.0,
         step_overhead_s=step_overhead_s,
-        allreduce_latency_s=0.0,
+        link_latency_s=0.0,
     )
 
 

@@ -16,22 +16,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minivllm.simulator.cost_model import kv_bytes_per_token
+from minivllm.models import arithmetic
+from minivllm.models.llama import ModelConfig
 from minivllm.simulator.hardware import Hardware
-from minivllm.simulator.models import ModelShape
 
 
 def activation_bytes(
-    model: ModelShape, max_num_batched_tokens: int, max_num_seqs: int, dtype_bytes: int, tp: int
+    model: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, dtype_bytes: int, tp: int
 ) -> int:
     """The largest step's live activations on one device: per token the residual stream
     and its normed copy, q/k/v, the attention output and the MLP's gate, up and product;
     plus fp32 logits for the rows that sample (at most ``max_num_seqs``)."""
+    q_size = model.num_heads // tp * model.head_dim
+    kv_size = arithmetic.kv_heads_per_rank(model.num_kv_heads, tp) * model.head_dim
     per_token = (
-        2 * model.hidden_size
-        + (model.q_size + 2 * model.kv_size) // tp
-        + model.q_size // tp
-        + 3 * model.intermediate_size // tp
+        2 * model.hidden_size + q_size + 2 * kv_size + q_size + 3 * model.intermediate_size // tp
     )
     logits = min(max_num_batched_tokens, max_num_seqs) * model.vocab_size * 4
     return max_num_batched_tokens * per_token * dtype_bytes + logits
@@ -53,7 +52,7 @@ class KVPoolSizing:
 
 
 def size_kv_pool(
-    model: ModelShape,
+    model: ModelConfig,
     hardware: Hardware,
     gpu_memory_utilization: float = 0.9,
     block_size: int = 16,
@@ -65,8 +64,8 @@ def size_kv_pool(
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     dtype_bytes = hardware.dtype_bytes
     budget = int(hardware.memory_bytes * gpu_memory_utilization)
-    weights = model.num_parameters * dtype_bytes // tp
+    weights = arithmetic.num_parameters(model, tp) * dtype_bytes
     activations = activation_bytes(model, max_num_batched_tokens, max_num_seqs, dtype_bytes, tp)
-    block_bytes = block_size * kv_bytes_per_token(model, dtype_bytes, tp)
+    block_bytes = block_size * arithmetic.kv_bytes_per_token(model, dtype_bytes, tp)
     num_blocks = max(0, (budget - weights - activations) // block_bytes)
     return KVPoolSizing(budget, weights, activations, block_bytes, num_blocks)

@@ -9,8 +9,8 @@ drafts the target model agrees with, plus one token of its own. Rejected drafts 
 nothing but the compute: ``num_computed_tokens`` moves back and their blocks return.
 """
 
-from minivllm.spec_decode.metrics import SpecDecodingStats
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.spec_decode.rejection_sampler import RejectionSampler
+from minivllm.spec_decode.stats import SpecDecodingStats
 
 __all__ = ["NgramProposer", "RejectionSampler", "SpecDecodingStats"]

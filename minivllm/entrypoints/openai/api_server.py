@@ -29,7 +29,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from minivllm.engine import LLMEngine
 from minivllm.entrypoints.async_llm import AsyncLLM
 from minivllm.entrypoints.live import PAGE, LiveRequests, live_state
-from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.openai.errors import error_body, error_from_exception
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -38,6 +37,7 @@ from minivllm.entrypoints.openai.protocol import (
     ModelList,
 )
 from minivllm.entrypoints.openai.serving import OpenAIServing
+from minivllm.entrypoints.prometheus import ServerMetrics
 from minivllm.utils import freeze_gc_heap
 
 logger = logging.getLogger("minivllm.serve")

@@ -10,7 +10,7 @@ every draft before it was accepted too, so ``num_accepted_tokens_per_pos`` falls
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -34,6 +34,10 @@ class SpecDecodingStats:
         self.num_accepted_tokens += num_accepted_tokens
         for position in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[position] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        """A snapshot that later counting leaves alone."""
+        return replace(self, num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
 
     def __sub__(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
         """What was counted since the snapshot ``earlier`` (e.g. after a warm-up)."""

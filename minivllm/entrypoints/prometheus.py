@@ -1,21 +1,26 @@
 """Prometheus metrics with vLLM's names (``vllm:...``), so vLLM dashboards and scrapers
 work unchanged against ``minivllm serve``'s ``/metrics``.
 
-Updated on the engine thread after every step (`AsyncLLM.step_listeners`): queue gauges and
-KV usage from the step's `StepStats`, the prompt-token counter from its prefill count, and
-from each output its new tokens, its TTFT (with the first token), ITLs (for later ones) and
-e2e latency (at the finish), read off its `RequestMetrics`. prometheus_client adds
-``_total`` to counter names when scraped (``vllm:prompt_tokens_total``).
+Updated on the engine thread after every step (`AsyncLLM.step_listeners`), from the
+step's `StepStats` snapshot alone: queue gauges and KV usage; the token counters, counted
+per request as vLLM does (a request's whole prompt once, cached tokens included, when its
+prefill completes, never again after a preemption; every output token kept, in the step
+that made it, so an aborted request's tokens count too, streamed or not); preemptions; and
+the prefix-cache and spec-decode counters, as the growth of the snapshot's totals. From
+each output: its TTFT (with the first token), ITLs (for later ones) and e2e latency (at
+the finish), read off its `RequestMetrics`. prometheus_client adds ``_total`` to counter
+names when scraped (``vllm:prompt_tokens_total``).
 """
 
 from __future__ import annotations
 
-import copy
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from minivllm.entrypoints.async_llm import AsyncLLM, StepRecord
+from minivllm.kv_cache_manager import PrefixCacheStats
 from minivllm.outputs import RequestOutput
+from minivllm.spec_decode import SpecDecodingStats
+from minivllm.stats import StepStats
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0]
 TTFT_BUCKETS += [2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -38,8 +43,10 @@ class ServerMetrics:
         self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.prompt_tokens = counter(
+            "vllm:prompt_tokens", "Prompt tokens of requests whose prefill completed."
+        )
+        self.generation_tokens = counter("vllm:generation_tokens", "Output tokens generated.")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions (by recompute).")
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
@@ -63,47 +70,47 @@ class ServerMetrics:
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds", "Arrival to last token.", buckets=E2E_BUCKETS
         )
-        self._spec_seen = copy.deepcopy(async_llm.engine.spec_decoding_stats)
+        engine = async_llm.engine
+        self._spec_seen = engine.spec_decoding_stats
         if self._spec_seen is not None:  # speculative decoding is on
+            self._spec_seen = self._spec_seen.copy()
             self._make_spec_decode_counters()
-        self._num_kv_blocks: int = async_llm.engine.num_kv_blocks
-        self._prefix_seen = (0, 0)  # (queries, hits) already counted
-        self._engine = async_llm.engine
+        self._prefix_seen = PrefixCacheStats()  # already counted (the engine's are zero)
+        self._engine = engine
         async_llm.step_listeners.append(self.on_step)
         async_llm.abort_listeners.append(self.on_abort)
 
     def on_step(self, record: StepRecord, outputs: list[RequestOutput]) -> None:
         """Engine thread, after each step."""
         step = record.stats
-        self.num_running.set(step.num_running)
-        self.num_waiting.set(step.num_waiting + step.num_preempted)
-        self.kv_cache_usage.set(step.num_kv_blocks_used / self._num_kv_blocks)
-        self.prompt_tokens.inc(step.num_prefill_tokens)
+        self._set_gauges(step)
+        self.prompt_tokens.inc(step.num_prompt_tokens)
+        self.generation_tokens.inc(step.num_generation_tokens)
         self.preemptions.inc(len(step.preempted_ids))
         for output in outputs:
-            self._on_new_tokens(output)
+            self._observe_latencies(output)
             if output.finished:
                 self._on_finished(output)
-        if self._engine.config.enable_prefix_caching:
-            self._count_prefix_cache()
-        if self._spec_seen is not None:
-            self._count_spec_decode()
+        self._count_prefix_cache(step.prefix_cache)
+        if step.spec_decoding is not None:
+            self._count_spec_decode(step.spec_decoding)
 
     def on_abort(self, request_id: str) -> None:
+        """Engine thread, between steps: the queues and the pool just changed."""
         self.request_success["abort"].inc()
-        stats = self._engine.stats()  # the engine thread calls this, between steps
-        self.num_running.set(stats["num_running"])
-        self.num_waiting.set(stats["num_waiting"] + stats["num_preempted"])
-        used = stats["num_kv_blocks"] - stats["num_free_blocks"]
-        self.kv_cache_usage.set(used / stats["num_kv_blocks"])
+        self._set_gauges(self._engine.make_stats())
 
-    def _on_new_tokens(self, output: RequestOutput) -> None:
-        """Count the output's new tokens; observe TTFT with the first one and an ITL for
-        each later one, as they happen (as vLLM does, once per step)."""
+    def _set_gauges(self, stats: StepStats) -> None:
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting + stats.num_preempted)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+
+    def _observe_latencies(self, output: RequestOutput) -> None:
+        """Observe TTFT with the first new token and an ITL for each later one, as they
+        happen (as vLLM does, once per step)."""
         # A stream's (DELTA) output carries only the new tokens; a plain request's
         # (FINAL_ONLY) one carries all of them, once: both are "the tokens not yet seen".
         num_new = len(output.outputs[0].token_ids)
-        self.generation_tokens.inc(num_new)
         metrics = output.metrics
         if metrics is None or num_new == 0:
             return
@@ -120,15 +127,13 @@ class ServerMetrics:
         if output.metrics is not None and output.metrics.e2e_latency is not None:
             self.e2e.observe(output.metrics.e2e_latency)
 
-    def _count_prefix_cache(self) -> None:
-        stats = self._engine.stats()
-        queries, hits = stats["prefix_cache_query_tokens"], stats["prefix_cache_hit_tokens"]
-        seen_queries, seen_hits = self._prefix_seen
-        if queries < seen_queries:  # the cache's counters were reset
-            seen_queries = seen_hits = 0
-        self.prefix_queries.inc(queries - seen_queries)
-        self.prefix_hits.inc(hits - seen_hits)
-        self._prefix_seen = (queries, hits)
+    def _count_prefix_cache(self, totals: PrefixCacheStats) -> None:
+        seen = self._prefix_seen
+        if totals.num_queried_tokens < seen.num_queried_tokens:  # the cache was reset
+            seen = PrefixCacheStats()
+        self.prefix_queries.inc(totals.num_queried_tokens - seen.num_queried_tokens)
+        self.prefix_hits.inc(totals.num_hit_tokens - seen.num_hit_tokens)
+        self._prefix_seen = totals
 
     def _labelled(self, kind):
         """A maker of ``kind`` (Gauge, Counter, Histogram) metrics in this registry, with
@@ -163,12 +168,11 @@ class ServerMetrics:
             [str(i) for i in range(self._spec_seen.num_spec_tokens)],
         )
 
-    def _count_spec_decode(self) -> None:
-        stats = self._engine.spec_decoding_stats
-        new = stats - self._spec_seen
+    def _count_spec_decode(self, totals: SpecDecodingStats) -> None:
+        new = totals - self._spec_seen
         self.spec_drafts.inc(new.num_drafts)
         self.spec_draft_tokens.inc(new.num_draft_tokens)
         self.spec_accepted_tokens.inc(new.num_accepted_tokens)
         for counter, n in zip(self.spec_accepted_per_pos, new.num_accepted_tokens_per_pos):
             counter.inc(n)
-        self._spec_seen = copy.deepcopy(stats)
+        self._spec_seen = totals
