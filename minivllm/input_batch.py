@@ -9,12 +9,13 @@ request that joins, the new blocks of one that grew. Positions and cache slots a
 computed for all tokens at once with numpy, not per token in Python.
 (docs/tutorial/what-a-gpu-would-do.md, "The engine's own time per step", measures it.)
 
-How a change is seen without the scheduler listing it: the `KVCacheManager` only ever
-*appends* to a request's ``block_table`` list in place; anything else (freeing the blocks,
-dropping rejected drafts' blocks) puts a new list there. So a request whose list is the
-same object as last step has only gained blocks at its end; a different object means the
-row is written again. A request absent from a step leaves the batch (finished, preempted,
-or out of budget) and is written afresh if it comes back.
+How a change is seen without the scheduler listing it: the `KVCacheManager` only appends
+blocks to a running request's table, except that after a step with draft tokens it gives
+back the blocks of the rejected ones (speculative decoding). So a request scheduled in two
+steps in a row, with no drafts in the first, has only gained blocks at its end: only those
+are copied. A request that joins, or that had drafts last step, has its row written whole.
+A request absent from a step (finished, preempted, or out of budget) leaves the batch, so
+one that comes back (a preempted one has new blocks) is written whole too.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from minivllm.attention import AttentionMetadata
-from minivllm.scheduler_output import SchedulerOutput
+from minivllm.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
 class InputBatch:
@@ -35,7 +36,7 @@ class InputBatch:
         # [row, block]: row r holds the block table of request req_ids[r], 0 past its end.
         self.block_tables = np.zeros((max_num_reqs, 16), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # valid entries per row
-        self.tables: list[list[int] | None] = [None] * max_num_reqs  # the lists rows copy
+        self.had_drafts = np.zeros(max_num_reqs, dtype=bool)  # its last step carried drafts
         self.row_of: dict[str, int] = {}  # request id -> row
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -46,8 +47,7 @@ class InputBatch:
         for the chunks back to back in the scheduler's order."""
         chunks = scheduler_output.chunks
         num_chunks = len(chunks)
-        rows = np.fromiter((self._update_row(c.request_id, c.block_table) for c in chunks),
-                           dtype=np.int64, count=num_chunks)  # fmt: skip
+        rows = np.fromiter((self._update_row(c) for c in chunks), np.int64, num_chunks)
         self._drop_absent({c.request_id for c in chunks})
         query_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, num_chunks)
         starts = np.fromiter((c.start_position for c in chunks), np.int64, num_chunks)
@@ -81,20 +81,23 @@ class InputBatch:
         )
         return to_device(input_ids), to_device(positions), metadata
 
-    def _update_row(self, request_id: str, table: list[int]) -> int:
-        """The request's row, brought up to date with its block table."""
-        row = self.row_of.get(request_id)
+    def _update_row(self, chunk: ScheduledChunk) -> int:
+        """The chunk's request's row, brought up to date with its block table."""
+        row = self.row_of.get(chunk.request_id)
         if row is None:
-            row = self.row_of[request_id] = self._take_row()
-        num_known = self.num_blocks[row]
-        if self.tables[row] is not table:  # joined, or its table was replaced: write it all
-            self.tables[row], num_known = table, 0
+            row = self.row_of[chunk.request_id] = self._take_row()
+        table, num_known = chunk.block_table, self.num_blocks[row]
+        if self.had_drafts[row] or len(table) < num_known:  # drafts' blocks may have gone
+            num_known = 0
+        if num_known == 0:
             self.block_tables[row] = 0
         if len(table) > num_known:
             if len(table) > self.block_tables.shape[1]:
                 self._grow(num_cols=2 * len(table))
             self.block_tables[row, num_known : len(table)] = table[num_known:]
-            self.num_blocks[row] = len(table)
+        self.num_blocks[row] = len(table)
+        # A padding chunk (static batching) follows its request's real one: same table.
+        self.had_drafts[row] = chunk.num_draft_tokens > 0
         return row
 
     def _drop_absent(self, request_ids: set[str]) -> None:
@@ -102,13 +105,13 @@ class InputBatch:
             return  # every row was scheduled (ids in a step are distinct rows)
         for request_id in [r for r in self.row_of if r not in request_ids]:
             row = self.row_of.pop(request_id)
-            self.tables[row] = None
             self.num_blocks[row] = 0
+            self.had_drafts[row] = False
             self.free_rows.append(row)
 
     def _take_row(self) -> int:
         if not self.free_rows:
-            old = len(self.tables)
+            old = len(self.num_blocks)
             self._grow(num_rows=2 * old)
             self.free_rows = list(range(2 * old - 1, old - 1, -1))
         return self.free_rows.pop()
@@ -120,4 +123,4 @@ class InputBatch:
         block_tables[:old_rows, :old_cols] = self.block_tables
         self.block_tables = block_tables
         self.num_blocks = np.concatenate([self.num_blocks, np.zeros(num_rows - old_rows, np.int64)])
-        self.tables += [None] * (num_rows - old_rows)
+        self.had_drafts = np.concatenate([self.had_drafts, np.zeros(num_rows - old_rows, bool)])

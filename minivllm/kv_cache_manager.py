@@ -160,9 +160,7 @@ class KVCacheManager:
         for block_id in reversed(seq.block_table[num_needed:]):
             assert self.allocator.block_hashes[block_id] is None, "a draft block was cached"
             self.allocator.free(block_id)
-        # A new list, not a cut in place: block tables only ever grow in place, which is
-        # how the model runner's persistent batch tells a grown table from a changed one.
-        seq.block_table = seq.block_table[:num_needed]
+        del seq.block_table[num_needed:]
 
     def free(self, seq: Sequence) -> None:
         """Return all of ``seq``'s blocks to the pool, newest first: the free queue is LRU,

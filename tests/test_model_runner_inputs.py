@@ -258,23 +258,28 @@ def test_each_seeded_request_samples_from_its_own_generator_whatever_its_batch()
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_the_persistent_batch_builds_what_a_fresh_one_would(data):
-    """Random steps in which requests join, leave, grow a block in place, or get a new
-    table (preempted and readmitted, or drafts' blocks dropped): the batch that remembers
-    earlier steps builds exactly the tensors of a batch that sees this step alone."""
+    """Random steps under the KV-cache manager's rules: requests join, leave, or gain
+    blocks at the end of their table; after a step with draft tokens a table may change
+    anywhere (rejected drafts' blocks are given back, new ones taken); one that leaves
+    and comes back (preempted) has a new table. The batch that remembers earlier steps
+    builds exactly the tensors of a batch that sees this step alone."""
     block_size = 2
     kept = InputBatch(block_size, torch.device("cpu"), max_num_reqs=2)  # must grow too
     tables: dict[str, list[int]] = {}
+    had_drafts: set[str] = set()
+    new_table = st.lists(st.integers(0, 99), min_size=1, max_size=40)
     for _ in range(data.draw(st.integers(1, 8))):
         for request_id in "abcdef":
-            action = data.draw(st.sampled_from(["keep", "grow", "replace", "leave"]))
+            action = data.draw(st.sampled_from(["keep", "grow", "leave"]))
             if action == "leave":
                 tables.pop(request_id, None)
-            elif request_id not in tables:  # joins
-                tables[request_id] = data.draw(st.lists(st.integers(0, 99), min_size=1))
+            elif request_id not in tables:  # joins, or comes back
+                tables[request_id] = data.draw(new_table)
+            elif request_id in had_drafts and data.draw(st.booleans()):
+                tables[request_id] = data.draw(new_table)  # drafts rejected: anything goes
             elif action == "grow":
-                tables[request_id].append(data.draw(st.integers(0, 99)))  # in place
-            elif action == "replace":
-                tables[request_id] = data.draw(st.lists(st.integers(0, 99), min_size=1))
+                tables[request_id] += data.draw(st.lists(st.integers(0, 99), max_size=3))
+        had_drafts = set()
         if not tables:
             continue
         out = SchedulerOutput()
@@ -282,9 +287,11 @@ def test_the_persistent_batch_builds_what_a_fresh_one_would(data):
             capacity = len(table) * block_size
             start = data.draw(st.integers(0, capacity - 1))
             num_new = data.draw(st.integers(1, capacity - start))
-            out.chunks.append(
-                ScheduledChunk(request_id, list(range(num_new)), start, table, sample=False)
-            )
+            chunk = ScheduledChunk(request_id, list(range(num_new)), start, table, sample=False)
+            if num_new > 1 and data.draw(st.booleans()):
+                chunk.num_draft_tokens = num_new - 1
+                had_drafts.add(request_id)
+            out.chunks.append(chunk)
         fresh = InputBatch(block_size, torch.device("cpu"))
         built, expected = kept.prepare(out), fresh.prepare(out)
         for a, b in zip(built[:2], expected[:2]):
