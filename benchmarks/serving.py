@@ -35,7 +35,13 @@ from minivllm.bench.workloads import LengthDistribution, synthetic
 from minivllm.config import EngineConfig
 from minivllm.models.loader import load_hf_config, load_tokenizer
 
-ENGINE = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 512}
+# Prefix caching off under both policies (static has none): batching alone differs.
+ENGINE = {
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 512,
+    "max_model_len": 512,
+    "enable_prefix_caching": False,
+}
 
 
 def main() -> int:
@@ -143,7 +149,11 @@ def _server(model: str, threads: int, policy: str):
     command += ["--model", model, "--port", str(port), "--threads", str(threads)]
     command += ["--scheduling-policy", policy, "--log-level", "warning"]
     for name, value in ENGINE.items():
-        command += ["--" + name.replace("_", "-"), str(value)]
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):  # an on/off flag: --name or --no-name
+            command.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            command += [f"--{flag}", str(value)]
     process = subprocess.Popen(command, env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
     url = f"http://127.0.0.1:{port}"
     try:

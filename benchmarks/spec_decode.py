@@ -93,6 +93,7 @@ def make_engine(args, max_num_seqs: int, speculative: bool) -> LLMEngine:
             max_num_batched_tokens=args.max_num_batched_tokens,
             speculative_config=spec,
             seed=0,
+            enable_prefix_caching=False,  # the prompts are run more than once
         )
     )
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from minivllm.bench.command import build_workload
 from minivllm.bench.metrics import LatencyStats
 from minivllm.bench.runner import run_engine
-from minivllm.config import EngineConfig
+from minivllm.entrypoints import cli_args
 
 # "prefill": from first scheduled to first token, i.e. TTFT without the time spent queued
 # for a slot: what the budget changes directly.
@@ -42,7 +42,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     print(workload.describe())
     results = []
     for budget in args.budgets:
-        config = EngineConfig.from_cli_args(
+        config = cli_args.engine_config_from_args(
             args,
             max_num_batched_tokens=budget,
             scheduling_policy="continuous",
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_arguments(parser)
     # The policy is always continuous (the static one has no token budget).
-    EngineConfig.add_cli_args(parser, exclude=("max_num_batched_tokens", "scheduling_policy"))
+    cli_args.add_engine_args(parser, exclude=("max_num_batched_tokens", "scheduling_policy"))
     parser.add_argument("--plot-file", default="token_budget.png", help="the figure's path")
     parser.set_defaults(
         num_prompts=10, prompt_len="uniform:128:1024", output_len="32", max_num_seqs=4, threads=1

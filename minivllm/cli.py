@@ -6,14 +6,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minivllm import arg_types
-from minivllm.config import EngineConfig
+from minivllm.entrypoints import cli_args
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from minivllm import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
+    import torch
+
+    from minivllm import LLMEngine, RequestOutputKind, SamplingParams
     from minivllm.chat import chat_prompt
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -25,7 +28,7 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         output_kind=RequestOutputKind.DELTA,
     )
-    engine = LLMEngine(EngineConfig.from_cli_args(args))
+    engine = LLMEngine(cli_args.engine_config_from_args(args))
     tokenizer = engine.get_tokenizer()
     # An instruct model answers a question only inside its chat template; without it,
     # SmolLM2 continues the text ("The answer is:") and stops.
@@ -39,6 +42,8 @@ def _generate(args: argparse.Namespace) -> int:
     # All prompts run together as one continuous batch; text streams in as it is made.
     texts = {str(i): "" for i in range(len(args.prompts))}
     stream = len(args.prompts) == 1
+    if not stream:
+        print("(the prompts run as one batch; each answer prints when it finishes)")
     while engine.has_unfinished_requests():
         for out in engine.step():
             texts[out.request_id] += out.outputs[0].text
@@ -49,6 +54,8 @@ def _generate(args: argparse.Namespace) -> int:
                 print(texts[out.request_id].strip(), flush=True)
             if out.finished:
                 _print_cut_note(out.outputs[0].finish_reason, args.max_tokens, stream)
+    if engine.spec_decoding_stats is not None:
+        print(engine.spec_decoding_stats.log_line())
     return 0
 
 
@@ -65,24 +72,30 @@ def build_parser() -> argparse.ArgumentParser:
         prog="minivllm", description="vLLM's engine core, small enough to read."
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    formatter = {"formatter_class": cli_args.DefaultsHelpFormatter}
 
-    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen = sub.add_parser("generate", help="generate text for one or more prompts", **formatter)
     gen.add_argument("prompts", nargs="+", help="prompt text(s); several run as one batch")
     # Types parse and refuse what no setting accepts; SamplingParams checks the ranges.
-    gen.add_argument("--max-tokens", type=arg_types.positive_int, default=64)
+    gen.add_argument("--max-tokens", type=cli_args.positive_int, default=64)
     gen.add_argument(
-        "--temperature", type=arg_types.finite_float, default=0.0, help="0 = greedy (default)"
+        "--temperature", type=cli_args.finite_float, default=0.0, help="0 = greedy (default: 0.0)"
     )
-    gen.add_argument("--top-p", type=arg_types.finite_float, default=1.0)
+    gen.add_argument("--top-p", type=cli_args.finite_float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=arg_types.finite_float, default=0.0)
-    gen.add_argument("--sampling-seed", type=arg_types.seed, default=None, help="per-request seed")
+    gen.add_argument("--min-p", type=cli_args.finite_float, default=0.0)
+    gen.add_argument(
+        "--sampling-seed",
+        type=cli_args.seed,
+        default=None,
+        help="per-request seed (default: drawn from the engine's --seed)",
+    )
     gen.add_argument(
         "--stop",
-        type=arg_types.non_empty_str,
+        type=cli_args.non_empty_str,
         action="append",
         default=None,
-        help="stop string (repeatable)",
+        help="stop string, repeatable (default: none)",
     )
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument(
@@ -92,35 +105,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="wrap each prompt in the model's chat template (default: yes when the model "
         "has one, as SmolLM2-Instruct does); --no-chat sends the text as a raw completion",
     )
-    EngineConfig.add_cli_args(gen)
+    gen.add_argument(
+        "--threads",
+        type=cli_args.positive_int,
+        default=None,
+        help="torch CPU threads (default: torch's, one per core). On a CPU shared with other "
+        "busy processes, 1 is often much faster: threads wait on each other at every small op",
+    )
+    cli_args.add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
     from minivllm.bench.command import add_bench_arguments, run_bench
 
-    bench = sub.add_parser("bench", help="measure static vs continuous batching on one workload")
+    bench = sub.add_parser(
+        "bench", help="measure static vs continuous batching on one workload", **formatter
+    )
     add_bench_arguments(bench)
-    EngineConfig.add_cli_args(bench, exclude=("scheduling_policy",))  # --policy: a list
+    cli_args.add_engine_args(bench, exclude=("scheduling_policy",))  # --policy: a list
     bench.set_defaults(func=run_bench)
 
     from minivllm.simulator.command import add_simulate_arguments, run_simulate
 
     sim = sub.add_parser(
-        "simulate", help="the real schedulers on simulated hardware (a roofline cost model)"
+        "simulate",
+        help="the real schedulers on simulated hardware (a roofline cost model)",
+        **formatter,
     )
     add_simulate_arguments(sim)
     sim.set_defaults(func=run_simulate)
 
     from minivllm.entrypoints.openai.cli_args import add_server_arguments
 
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (like `vllm serve`)")
+    serve = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (like `vllm serve`)", **formatter
+    )
     add_server_arguments(serve)
-    EngineConfig.add_cli_args(serve)
+    cli_args.add_engine_args(serve)
     serve.set_defaults(func=_serve)
     return parser
 
 
 def _serve(args: argparse.Namespace) -> int:
-    config = EngineConfig.from_cli_args(args)  # bad options fail before the model loads
+    config = cli_args.engine_config_from_args(args)  # bad options fail before the model loads
     try:
         from minivllm.entrypoints.openai.api_server import run_serve
     except ImportError as e:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
 
 import torch
 
-from minivllm import arg_types
 from minivllm.sampling_params import SEED_RANGE
 from minivllm.utils import as_int
 
@@ -22,25 +20,6 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 # "continuous": vLLM's token-level batching (scheduler.py). "static": request-level
 # batching as servers did before it (static_scheduler.py), kept to measure the difference.
 SCHEDULING_POLICIES = ("continuous", "static")
-
-
-_MEMORY_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
-_MEMORY_UNITS |= {"KB": 10**3, "MB": 10**6, "GB": 10**9}
-
-
-def parse_memory_size(text: str) -> int:
-    """``"64MiB"`` -> 67108864; a bare number is bytes. For ``--kv-cache-memory``."""
-    number = text.rstrip("BbKkMmGgIi")
-    unit = text[len(number) :].upper()
-    try:
-        value = float(number) * _MEMORY_UNITS[unit]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(
-            f"bad memory size {text!r}; use bytes or a unit: 512KiB, 64MiB, 1GiB"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"memory size must be positive, got {text!r}")
-    return int(value)
 
 
 SPECULATIVE_METHODS = ("ngram",)
@@ -104,23 +83,29 @@ class EngineConfig:
 
     ``model=None`` means the bundled SmolLM2-135M-Instruct. ``num_kv_blocks=None`` sizes
     the cache from ``kv_cache_memory_bytes``; ``max_model_len=None`` takes the model's
-    limit, capped by what the cache can hold.
+    limit, capped by what the cache can hold. ``enable_prefix_caching=None`` means vLLM
+    v1's default: on, unless the scheduling policy is static (which has no paged cache to
+    share blocks in).
+
+    A field's ``help`` is its documentation; the command line turns every field into a
+    ``--flag`` (``minivllm/entrypoints/cli_args.py``), so this module knows nothing of it.
     """
 
     model: str | None = field(
-        default=None, metadata={"help": "local HF checkpoint (default: the bundled SmolLM2)"}
+        default=None,
+        metadata={
+            "help": "local HF checkpoint, or the bundled model's Hub id "
+            "(default: the bundled HuggingFaceTB/SmolLM2-135M-Instruct)"
+        },
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     num_kv_blocks: int | None = field(
-        default=None, metadata={"help": "KV blocks (default: from --kv-cache-memory-bytes)"}
+        default=None,
+        metadata={"help": "KV blocks (default: as many as the KV cache memory holds)"},
     )
     kv_cache_memory_bytes: int = field(
         default=DEFAULT_KV_CACHE_BYTES,
-        metadata={
-            "help": "memory for the KV cache, in bytes or with a unit: 64MiB, 1GiB",
-            "aliases": ("--kv-cache-memory",),
-            "type": parse_memory_size,
-        },
+        metadata={"help": "memory for the KV cache, in bytes or a unit: 64MiB (default: 1GiB)"},
     )
     max_num_seqs: int = field(default=64, metadata={"help": "most requests in one step"})
     max_num_batched_tokens: int = field(
@@ -133,27 +118,38 @@ class EngineConfig:
         default="auto",
         metadata={"help": "auto: numba-cpu on CPU when numba is installed, else torch"},
     )
-    dtype: str = field(default="auto", metadata={"choices": ("auto", *DTYPES)})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
-    seed: int = field(
-        default=0, metadata={"help": "seeds requests that bring no seed", "type": arg_types.seed}
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "worker processes the model is split across (tensor parallelism)"},
     )
-    enable_prefix_caching: bool = False
+    dtype: str = field(default="auto", metadata={"help": "auto: float32 on CPU, bfloat16 on GPU"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
+    seed: int = field(default=0, metadata={"help": "seeds requests that bring no seed"})
+    enable_prefix_caching: bool | None = field(
+        default=None,
+        metadata={
+            "help": "share the KV blocks of common prompt prefixes (default: on, like vLLM v1, "
+            "unless the scheduling policy is static)"
+        },
+    )
     scheduling_policy: str = field(
         default="continuous",
-        metadata={"choices": SCHEDULING_POLICIES, "aliases": ("--policy",)},
+        metadata={"help": "continuous: vLLM's token-level batching; static: for comparison"},
     )
     speculative_config: SpeculativeConfig | dict | None = field(
         default=None,
         metadata={
             "help": 'speculative decoding, as JSON: \'{"method": "ngram", '
-            '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
-            "type": arg_types.json_object,
+            '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+            "(default: off)"
         },
     )
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes")
+        positive = (
+            "block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
+            "tensor_parallel_size",
+        )  # fmt: skip
         for name in positive:
             if not _is_positive_int(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
@@ -173,6 +169,13 @@ class EngineConfig:
                 f"unknown scheduling policy {self.scheduling_policy!r}; "
                 f"choose {', '.join(SCHEDULING_POLICIES)}"
             )
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = self.scheduling_policy == "continuous"
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be True, False or None, "
+                f"got {self.enable_prefix_caching!r}"
+            )
         if self.scheduling_policy == "static" and self.enable_prefix_caching:
             raise ValueError("prefix caching needs the paged cache of the continuous policy")
         if self.speculative_config is not None and not isinstance(
@@ -183,6 +186,7 @@ class EngineConfig:
             raise ValueError("speculative decoding needs the continuous scheduling policy")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but torch sees no CUDA GPU")
+        self._check_devices_for_ranks()
         # Imported here: the registry imports nothing heavy, but keep config import-light.
         from minivllm.attention import available_backends
 
@@ -190,6 +194,22 @@ class EngineConfig:
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "
                 f"available: auto, {', '.join(available_backends())}"
+            )
+
+    def _check_devices_for_ranks(self) -> None:
+        """On CUDA each tensor-parallel rank takes its own GPU, cuda:0 to cuda:tp-1."""
+        tp = self.tensor_parallel_size
+        if tp == 1 or self.torch_device.type != "cuda":
+            return
+        if self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device {self.device!r} names one GPU, but tensor_parallel_size={tp} "
+                f"ranks take cuda:0 .. cuda:{tp - 1}; pass device='cuda'"
+            )
+        if tp > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs {tp} CUDA devices, torch sees "
+                f"{torch.cuda.device_count()}"
             )
 
     @property
@@ -226,40 +246,6 @@ class EngineConfig:
         if on_cpu_fp32 and importlib.util.find_spec("numba") is not None:
             return "numba-cpu"
         return "torch"
-
-    # --- the command line (vLLM's EngineArgs.add_cli_args / from_cli_args) --------------
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-        """One ``--flag`` per field, with its default and help from the field itself. Int
-        flags take positive ints (the seed: any 64-bit int)."""
-        from minivllm.attention import available_backends
-
-        group = parser.add_argument_group("engine")
-        for f in dataclasses.fields(cls):
-            if f.name in exclude:
-                continue
-            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
-            options = {"default": f.default, "help": f.metadata.get("help")}
-            if f.type == "bool":
-                options["action"] = argparse.BooleanOptionalAction
-            elif "type" in f.metadata:
-                options["type"] = f.metadata["type"]
-            else:
-                options["type"] = arg_types.positive_int if f.type.startswith("int") else str
-            if f.name == "attention_backend":
-                options["choices"] = ("auto", *available_backends())
-            elif "choices" in f.metadata:
-                options["choices"] = f.metadata["choices"]
-            group.add_argument(*flags, dest=f.name, **options)
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace, **overrides) -> EngineConfig:
-        """The config the parsed flags describe, with ``overrides`` on top."""
-        values = {
-            f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
-        }
-        return cls(**(values | overrides))
 
 
 def _is_positive_int(value) -> bool:

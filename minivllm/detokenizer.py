@@ -10,9 +10,13 @@ character arrives whole with the token that completes it.
 
 Stop strings are searched only in that completed text, and only where a match can end
 in text the last token added (it may start earlier). Text made before ``min_tokens``
-tokens is never searched. Streaming holds back the last ``len(longest stop) - 1``
-characters while stop strings are active: they may turn out to be the start of a stop
-string, which must never reach the user.
+tokens is never searched. The search does not walk the list of stop strings: at each new
+character it looks the text ending there up in a set, once per distinct stop-string
+length, so its cost per token does not grow with the number of stop strings.
+
+Streaming holds back the last ``len(longest stop) - 1`` characters while stop strings
+are active: they may turn out to be the start of a stop string, which must never reach
+the user.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ class Detokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._stop_check_offset = 0  # a stop string must end after this character
+        # Each stop string's place in the list (the first wins a tie) and their lengths.
+        self._stop_rank = {stop: rank for rank, stop in reversed(list(enumerate(params.stop)))}
+        self._stop_lengths = sorted({len(stop) for stop in params.stop})
         self._hold_back = (
             max(map(len, params.stop)) - 1
             if params.stop and not params.include_stop_str_in_output
@@ -85,18 +92,21 @@ class Detokenizer:
     def _find_stop_string(self) -> str | None:
         text, num_new_chars = self.output_text, len(self.output_text) - self._stop_check_offset
         self._stop_check_offset = len(text)
-        if num_new_chars == 0:
+        if num_new_chars == 0 or not self._stop_rank:
             return None
         include = self.params.include_stop_str_in_output
-        best: tuple[int, int, str] | None = None  # (where the text is cut, start, stop)
-        for stop in self.params.stop:
-            # The earliest match that ends in the new characters.
-            start = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
-            if start == -1:
-                continue
-            cut = start + len(stop) if include else start
-            if best is None or cut < best[0]:
-                best = (cut, start, stop)
+        best: tuple[int, int, str] | None = None  # (where the text is cut, rank, stop)
+        for end in range(len(text) - num_new_chars + 1, len(text) + 1):
+            for length in self._stop_lengths:  # every match that ends at `end`
+                if length > end:
+                    break
+                stop = text[end - length : end]
+                rank = self._stop_rank.get(stop)
+                if rank is None:
+                    continue
+                candidate = (end if include else end - length, rank, stop)
+                if best is None or candidate < best:
+                    best = candidate
         if best is None:
             return None
         cut, _, self.stop_string = best

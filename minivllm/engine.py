@@ -14,9 +14,10 @@ from collections.abc import Iterable
 from dataclasses import asdict
 
 from minivllm.config import EngineConfig
-from minivllm.executor import Executor, UniProcExecutor
+from minivllm.executor import Executor, make_executor
 from minivllm.input_processor import InputProcessor, Prompt
 from minivllm.kv_cache_manager import KVCacheManager
+from minivllm.model_info import ModelInfo, resolve_model_path
 from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -34,15 +35,30 @@ __all__ = ["LLMEngine", "Prompt"]
 class LLMEngine:
     """The engine loop, driven one `step()` at a time (vLLM's offline `LLMEngine`).
 
-    ``executor`` defaults to the real model (`UniProcExecutor`); tests pass a fake one
-    and the simulator a cost model. ``clock`` is where every timestamp comes from."""
+    ``executor`` defaults to the real model: in this process, or split across
+    ``tensor_parallel_size`` worker processes; tests pass a fake one and the simulator a
+    cost model. ``model_info`` (shape, tokenizer, EOS ids) defaults to what the model's
+    files say; a fake executor comes with its own. ``clock`` is where every timestamp
+    comes from. `close()` stops the executor's workers (garbage collection and
+    interpreter exit do too)."""
 
     def __init__(
-        self, config: EngineConfig, executor: Executor | None = None, clock=time.perf_counter
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        clock=time.perf_counter,
+        model_info: ModelInfo | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
-        self.executor = executor if executor is not None else UniProcExecutor(config)
+        # Input and output processing read the model's files themselves (no weights), so
+        # the executor, maybe in other processes, only executes.
+        self.model_info = model_info or ModelInfo.load(resolve_model_path(config.model))
+        self.model_config = self.model_info.model_config
+        tokenizer = self.model_info.tokenizer
+        if executor is None:
+            executor = make_executor(config, self.model_info.eos_token_ids)
+        self.executor = executor
         ex = self.executor
         self.num_kv_blocks, self.max_model_len = ex.num_kv_blocks, ex.max_model_len
         self.kv_cache_manager = KVCacheManager(
@@ -50,11 +66,11 @@ class LLMEngine:
         )
         self.scheduler = self._make_scheduler()
         self.input_processor = InputProcessor(
-            ex.get_tokenizer(), ex.model_config.vocab_size, ex.max_model_len,
+            tokenizer, self.model_config.vocab_size, ex.max_model_len,
             ex.num_kv_blocks, config.block_size, ex.device, config.seed,
         )  # fmt: skip
         self.output_processor = OutputProcessor(
-            ex.get_tokenizer(), ex.eos_token_ids, ex.max_model_len
+            tokenizer, self.model_info.eos_token_ids, ex.max_model_len
         )
         self.last_step: SchedulerOutput | None = None  # for walkthroughs
         self.last_stats: StepStats | None = None  # the last step's snapshot, if it ran
@@ -82,7 +98,11 @@ class LLMEngine:
         )  # fmt: skip
 
     def get_tokenizer(self):
-        return self.executor.get_tokenizer()
+        return self.model_info.tokenizer
+
+    def close(self) -> None:
+        """Stop the executor (its worker processes, if any); the engine is done then."""
+        self.executor.shutdown()
 
     # --- requests in and out -------------------------------------------------------------
 

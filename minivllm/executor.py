@@ -1,9 +1,12 @@
 """The executor: everything that runs the model, behind one method (vLLM's ``Executor``).
 
 The engine hands it a `SchedulerOutput` and gets back the sampled tokens. Behind that
-seam sit model and tokenizer loading, the attention backend, the KV cache's size and the
-`ModelRunner`. Anything with the same attributes and ``execute_model`` can stand in: a fake
-executor in the tests, a cost-model executor in the simulator.
+seam sit model loading, the attention backend, the KV cache's size and the `ModelRunner`,
+in this process (`UniProcExecutor`) or split across worker processes
+(`MultiprocExecutor`, tensor parallelism). The tokenizer and EOS ids are the engine's
+(input and output processing): an executor only executes. Anything with the same
+attributes, ``execute_model`` and ``shutdown`` can stand in: a fake executor in the
+tests, a cost-model executor in the simulator.
 """
 
 from __future__ import annotations
@@ -12,75 +15,92 @@ from typing import Protocol
 
 import torch
 
-from minivllm.attention import get_backend
+from minivllm.attention import AttentionBackend, get_backend
 from minivllm.config import EngineConfig
+from minivllm.model_info import resolve_model_path
 from minivllm.model_runner import ModelRunner
 from minivllm.models import arithmetic
 from minivllm.models.llama import ModelConfig
-from minivllm.models.loader import load_model, load_tokenizer
+from minivllm.models.loader import load_model
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import SchedulerOutput
 
 
 class Executor(Protocol):
-    model_config: ModelConfig  # the model's shape: vocabulary, layers, heads, ...
     num_kv_blocks: int  # blocks in the KV cache
     max_model_len: int  # longest request (prompt + output) it accepts
-    eos_token_ids: frozenset[int]
     device: torch.device  # where per-request sampling generators live
-
-    def get_tokenizer(self):
-        """The Hugging Face tokenizer, or None (then prompts must be token ids)."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: compute every scheduled chunk, sample where asked."""
+
+    def shutdown(self) -> None:
+        """Release what it holds (worker processes); later steps are refused."""
+
+
+def make_executor(config: EngineConfig, eos_token_ids: frozenset[int]) -> Executor:
+    """The model in this process, or split across ``tensor_parallel_size`` worker
+    processes (vLLM's ``Executor.get_class``). ``eos_token_ids``: what the sampler masks
+    before a request's ``min_tokens``."""
+    if config.tensor_parallel_size == 1:
+        return UniProcExecutor(config, eos_token_ids)
+    from minivllm.multiproc_executor import MultiprocExecutor
+
+    return MultiprocExecutor(config, eos_token_ids)
 
 
 class UniProcExecutor:
     """The real thing, in this process: the model on one device (CPU or one GPU)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.device, dtype = config.torch_device, config.torch_dtype
-        backend_cls = get_backend(config.attention_backend_name)
-        backend_cls.check_supported(dtype, self.device)
-        if config.speculative_config is not None and not backend_cls.supports_multi_token_decode:
-            raise ValueError(
-                f"attention backend {backend_cls.name!r} cannot take multi-token decode "
-                "queries, which speculative decoding needs; choose another backend"
-            )
-        model_path = config.model
-        if model_path is None:
-            from minivllm.models.model_files import default_model_path
-
-            model_path = default_model_path()
-        self.model, hf_config = load_model(model_path, backend_cls(), dtype, self.device)
-        self.model_config = self.model.config
-        self.tokenizer = load_tokenizer(model_path)
-        self.eos_token_ids = _eos_token_ids(model_path, hf_config, self.tokenizer)
+        backend_cls = checked_backend(config)
+        model_path = resolve_model_path(config.model)
+        self.model, _ = load_model(model_path, backend_cls(), dtype, self.device)
+        model_config = self.model.config
 
         self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_bytes(
-            self.model_config, config.block_size, dtype, config.kv_cache_memory_bytes
+            model_config, config.block_size, dtype, config.kv_cache_memory_bytes
         )
-        self.max_model_len = resolve_max_model_len(config, self.model_config, self.num_kv_blocks)
+        self.max_model_len = resolve_max_model_len(config, model_config, self.num_kv_blocks)
         self.model_runner = ModelRunner(
             self.model, self.num_kv_blocks, config.block_size, dtype, self.device,
-            self.eos_token_ids,
+            eos_token_ids,
         )  # fmt: skip
-
-    def get_tokenizer(self):
-        return self.tokenizer
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
+    def shutdown(self) -> None:
+        pass  # nothing outside this process to release
+
+
+def checked_backend(config: EngineConfig) -> type[AttentionBackend]:
+    """The attention backend class ``config`` names, refused if it cannot run there."""
+    backend_cls = get_backend(config.attention_backend_name)
+    backend_cls.check_supported(config.torch_dtype, config.torch_device)
+    if config.speculative_config is not None and not backend_cls.supports_multi_token_decode:
+        raise ValueError(
+            f"attention backend {backend_cls.name!r} cannot take multi-token decode "
+            "queries, which speculative decoding needs; choose another backend"
+        )
+    return backend_cls
+
 
 def num_blocks_for_bytes(
-    model_config: ModelConfig, block_size: int, dtype: torch.dtype, num_bytes: int
+    model_config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    num_bytes: int,
+    tensor_parallel_size: int = 1,
 ) -> int:
     """How many KV blocks ``num_bytes`` of memory hold: a block stores a key and a value
-    vector per layer, KV head and token slot (`arithmetic.kv_bytes_per_token`)."""
+    vector per layer, KV head and token slot (`arithmetic.kv_bytes_per_token`); split
+    across tensor-parallel ranks, only the rank's own KV heads."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    bytes_per_block = block_size * arithmetic.kv_bytes_per_token(model_config, element_size)
+    bytes_per_block = block_size * arithmetic.kv_bytes_per_token(
+        model_config, element_size, tensor_parallel_size
+    )
     return max(1, num_bytes // bytes_per_block)
 
 
@@ -102,19 +122,3 @@ def resolve_max_model_len(
             f"{num_kv_blocks} x block_size={config.block_size} = {capacity} tokens"
         )
     return max_model_len
-
-
-def _eos_token_ids(model_path, hf_config, tokenizer) -> frozenset[int]:
-    """End-of-sequence ids from the generation config (may be several) and the tokenizer."""
-    from transformers import GenerationConfig
-
-    ids: set[int] = set()
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:
-        eos = getattr(hf_config, "eos_token_id", None)
-    if eos is not None:
-        ids.update(eos if isinstance(eos, list) else [eos])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)

@@ -44,6 +44,7 @@ class InputProcessor:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.check_token_ids(self.vocab_size)
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
         generator = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from tqdm import tqdm  # plain text bar: works in terminals and notebooks alike
 
 from minivllm.chat import chat_prompt
@@ -18,15 +19,29 @@ class LLM:
     ``LLM()`` loads the bundled SmolLM2-135M-Instruct; ``LLM(model="path")`` any local
     Llama / Mistral / Qwen2 / Qwen3 checkpoint. Keyword options are `EngineConfig`'s
     (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``max_model_len``, ``attention_backend``, ``dtype``, ``device``, ``seed``, ...).
+    ``max_model_len``, ``attention_backend``, ``dtype``, ``device``, ``seed``,
+    ``tensor_parallel_size``, ...). ``tensor_parallel_size=2`` splits the model across two
+    worker processes; `close()` stops them (so do garbage collection and interpreter exit).
+
+    ``num_threads`` sets torch's CPU threads for the whole process (``torch.set_num_threads``;
+    default: torch's, one per core). On a CPU shared with other busy processes, 1 is often
+    much faster: several threads wait on each other at every small op.
     """
 
-    def __init__(self, model: str | None = None, **options) -> None:
+    def __init__(self, model: str | None = None, num_threads: int | None = None, **options):
+        if num_threads is not None:
+            if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+                raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+            torch.set_num_threads(num_threads)
         self.llm_engine = LLMEngine(EngineConfig(model=model, **options))
         self._request_counter = 0
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
+
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); a no-op otherwise."""
+        self.llm_engine.close()
 
     def generate(
         self,

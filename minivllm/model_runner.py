@@ -20,6 +20,7 @@ import torch
 
 from minivllm.attention import AttentionMetadata
 from minivllm.input_batch import InputBatch
+from minivllm.models.arithmetic import kv_heads_per_rank
 from minivllm.models.llama import CausalLM
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.sampler import Sampler
@@ -36,6 +37,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         eos_token_ids: frozenset[int] = frozenset(),
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -43,10 +45,13 @@ class ModelRunner:
         config = model.config
         # The whole KV cache, allocated once: [layer][key or value][block][slot][kv_head][dim].
         # Requests own blocks of it through their block tables; nothing here ever moves.
+        # Split across tensor-parallel ranks, each holds only its own KV heads, under the
+        # same block tables and slots.
         # torch.empty: a slot is always written before it is read (nothing reads past
         # context_len), and zero-filling a GiB costs seconds on a small machine.
         self.kv_caches = torch.empty(
-            config.num_layers, 2, num_kv_blocks, block_size, config.num_kv_heads, config.head_dim,
+            config.num_layers, 2, num_kv_blocks, block_size,
+            kv_heads_per_rank(config.num_kv_heads, tensor_parallel_size), config.head_dim,
             dtype=dtype, device=device,
         )  # fmt: skip
         self.input_batch = InputBatch(block_size, device)  # kept from step to step
@@ -74,13 +79,14 @@ class ModelRunner:
         sampling = [(c, end) for c, end in zip(scheduler_output.chunks, ends) if c.sample]
         if not sampling:
             return ModelRunnerOutput()
-        if not any(c.num_draft_tokens for c, _ in sampling):  # the usual step: one row each
-            chunks = [c for c, _ in sampling]
-            logits = self.model.compute_logits(hidden[[end - 1 for _, end in sampling]])
-            tokens = self.sampler(logits, chunks)
-            return ModelRunnerOutput({c.request_id: [t] for c, t in zip(chunks, tokens)})
         rows = [row for c, end in sampling for row in range(end - 1 - c.num_draft_tokens, end)]
         logits = self.model.compute_logits(hidden[rows])
+        if logits is None:  # a tensor-parallel rank but the first: rank 0 samples
+            return ModelRunnerOutput()
+        if len(rows) == len(sampling):  # the usual step, no drafts: row i is chunk i's
+            chunks = [c for c, _ in sampling]
+            tokens = self.sampler(logits, chunks)
+            return ModelRunnerOutput({c.request_id: [t] for c, t in zip(chunks, tokens)})
 
         plain, verified, first_row = [], {}, 0
         for chunk, _ in sampling:

@@ -14,6 +14,13 @@ from minivllm.utils import as_int
 SAMPLING_EPS = 1e-5
 # What torch.Generator.manual_seed accepts: any 64-bit value, signed or unsigned.
 SEED_RANGE = (-(2**63), 2**64 - 1)
+# Stop strings are matched on the engine thread after every token: bound their number and
+# length so one request cannot make every step slow (or hold back a whole page of text).
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_CHARS = 256
+# vLLM's (and OpenAI's) ranges.
+PENALTY_RANGE = (-2.0, 2.0)  # frequency_penalty, presence_penalty
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 class RequestOutputKind(enum.Enum):
@@ -32,8 +39,17 @@ class SamplingParams:
     ``top_p=1`` and ``min_p=0`` switch those filters off. ``seed`` makes this request's
     random choices reproducible whatever else shares its batch. ``min_tokens``: no stop
     (EOS, stop ids, stop strings) before that many tokens; EOS and stop ids are not even
-    sampled. Invalid values raise
-    ValueError at construction; integer fields accept numpy and torch integers too.
+    sampled.
+
+    Penalties and biases change the logits before anything else (vLLM's definitions):
+    ``logit_bias`` adds to chosen tokens' logits; ``repetition_penalty`` divides the
+    positive logits (multiplies the negative ones) of every token already in the prompt or
+    the output, as transformers' ``RepetitionPenaltyLogitsProcessor``; OpenAI's
+    ``frequency_penalty`` subtracts ``penalty * count`` and ``presence_penalty`` subtracts
+    ``penalty`` once, for tokens in the output so far. ``allowed_token_ids``: only these
+    may be sampled. Invalid values raise ValueError at construction (token ids are checked
+    against the vocabulary when the request is added); integer fields accept numpy and
+    torch integers too.
     """
 
     n: int = 1
@@ -42,6 +58,11 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: str | list[str] | None = None
@@ -59,6 +80,18 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a list, got {getattr(self, name)!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = [as_int("stop_token_ids", t) for t in self.stop_token_ids or []]
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict, got {self.logit_bias!r}")
+            self.logit_bias = {as_int("logit_bias", t): b for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list | tuple):
+                raise ValueError(
+                    f"allowed_token_ids must be a list, got {self.allowed_token_ids!r}"
+                )
+            self.allowed_token_ids = [
+                as_int("allowed_token_ids", t) for t in self.allowed_token_ids
+            ]
         self.n, self.top_k, self.min_tokens = (
             as_int(name, getattr(self, name)) for name in ("n", "top_k", "min_tokens")
         )
@@ -71,10 +104,11 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        for name in ("temperature", "top_p", "min_p"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+        for name in (
+            "temperature", "top_p", "min_p",
+            "repetition_penalty", "frequency_penalty", "presence_penalty",
+        ):  # fmt: skip
+            _check_real(name, getattr(self, name))
         if self.n != 1:
             raise ValueError(f"n must be 1 (parallel sampling is not implemented), got {self.n}")
         if not 0 <= self.temperature < math.inf:  # also catches NaN
@@ -95,8 +129,8 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        self._validate_penalties()
+        self._validate_stop_strings()
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
@@ -106,6 +140,72 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
+    def _validate_penalties(self) -> None:
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(
+                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"
+            )
+        low, high = PENALTY_RANGE
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(f"{name} must be in [{low}, {high}], got {getattr(self, name)}")
+        low, high = LOGIT_BIAS_RANGE
+        for token, bias in (self.logit_bias or {}).items():
+            _check_real("logit_bias", bias)
+            if token < 0 or not low <= bias <= high:
+                raise ValueError(
+                    f"logit_bias maps token ids >= 0 to biases in [{low}, {high}], "
+                    f"got {token}: {bias}"
+                )
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or min(self.allowed_token_ids) < 0
+        ):
+            raise ValueError(
+                f"allowed_token_ids must be a non-empty list of token ids, "
+                f"got {self.allowed_token_ids!r}"
+            )
+
+    def _validate_stop_strings(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop has {len(self.stop)} strings, more than the {MAX_STOP_STRINGS} allowed"
+            )
+        for stop in self.stop:
+            if not isinstance(stop, str) or not stop:
+                raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, "
+                    f"got one of {len(stop)}"
+                )
+
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the logits depend on the tokens so far (so the sampler needs them)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Token ids in ``logit_bias`` and ``allowed_token_ids`` must be in the vocabulary
+        (the vocabulary size is the engine's, so this is checked when a request is added)."""
+        for name, ids in (
+            ("logit_bias", self.logit_bias or {}),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
+                )
+
+
+def _check_real(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")

@@ -203,6 +203,11 @@ class Scheduler:
 def _may_draft(seq: Sequence) -> bool:
     """Whether drafts can be verified for ``seq`` with the target distribution exact:
     not while ``min_tokens`` still bans EOS and stop tokens (that mask depends on the
-    position), and not with ``min_p`` (vLLM leaves it out too)."""
+    position), and not with ``min_p`` or penalties (which depend on the tokens before
+    each draft; vLLM leaves them out too)."""
     params = seq.sampling_params
-    return seq.num_output_tokens >= params.min_tokens and params.min_p == 0
+    return (
+        seq.num_output_tokens >= params.min_tokens
+        and params.min_p == 0
+        and not params.has_penalties
+    )

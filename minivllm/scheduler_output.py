@@ -32,7 +32,9 @@ class ScheduledChunk:
     Speculative decoding: the last ``num_draft_tokens`` rows are draft tokens, guesses not
     yet known to be right; then the last ``1 + num_draft_tokens`` rows are all sampled
     and verified against the drafts (spec_decode/rejection_sampler.py).
-    ``block_table`` is the chunk's own copy of the request's table as of this step."""
+    ``block_table`` is the chunk's own copy of the request's table as of this step.
+    ``prompt_token_ids`` and ``output_token_ids``: the request's tokens so far, filled
+    only when it samples with penalties (the sampler counts them); empty otherwise."""
 
     request_id: str
     token_ids: list[int]
@@ -43,6 +45,8 @@ class ScheduledChunk:
     generator: object | None = None  # torch.Generator of a request that samples randomly
     num_output_tokens: int = 0
     num_draft_tokens: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.block_table = list(self.block_table)  # a copy: the request's table moves on
@@ -90,6 +94,9 @@ class SchedulerOutput:
             generator=seq.generator,
             num_output_tokens=seq.num_output_tokens,
         )
+        if samples and seq.sampling_params.has_penalties:
+            chunk.prompt_token_ids = seq.prompt_token_ids
+            chunk.output_token_ids = seq.output_token_ids
         self.chunks.append(chunk)
         self.chunk_of[seq.request_id] = chunk
         self.scheduled_seqs.append(seq)

@@ -28,7 +28,13 @@ import matplotlib.pyplot as plt
 from minivllm import EngineConfig, LLMEngine, SamplingParams
 
 start = time.perf_counter()
-engine = LLMEngine(EngineConfig(max_num_batched_tokens=32, max_num_seqs=3, num_kv_blocks=64))
+# Prefix caching (on by default, as in vLLM) is off here: the four prompts share the chat
+# template's system prompt, and this notebook shows every prefill token being computed.
+engine = LLMEngine(
+    EngineConfig(
+        max_num_batched_tokens=32, max_num_seqs=3, num_kv_blocks=64, enable_prefix_caching=False
+    )
+)
 print(f"SmolLM2 loaded in {time.perf_counter() - start:.1f} s; "
       f"KV pool: {engine.num_kv_blocks} blocks of {engine.config.block_size} tokens")  # fmt: skip
 

@@ -67,7 +67,13 @@ print(workload.describe())
 # server would do; the continuous policy uses a token budget of 256 per step.
 
 # %%
-common = dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=workload.max_request_len)
+# No prefix caching under either policy (static batching has none): batching alone differs.
+common = dict(
+    max_num_seqs=8,
+    max_num_batched_tokens=256,
+    max_model_len=workload.max_request_len,
+    enable_prefix_caching=False,
+)
 runs = []
 for policy in ("static", "continuous"):
     config = EngineConfig(scheduling_policy=policy, **common)
@@ -161,6 +167,7 @@ for regions in (2, 4, 8):
             max_num_batched_tokens=256,
             max_model_len=256,
             num_kv_blocks=regions * region_blocks,
+            enable_prefix_caching=False,
         )
         s = run_engine(config, sweep, progress=False).summary
         kv_rows.append((regions, policy, s))

@@ -48,8 +48,12 @@ QUESTIONS = [
 PARAMS = SamplingParams(temperature=0, max_tokens=16)
 
 
-def make_engine(**options) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(max_num_batched_tokens=256, **options))
+def make_engine(enable_prefix_caching: bool = False, **options) -> LLMEngine:
+    """Prefix caching off unless asked: the preemption runs below recompute every token."""
+    config = EngineConfig(
+        max_num_batched_tokens=256, enable_prefix_caching=enable_prefix_caching, **options
+    )
+    engine = LLMEngine(config)
     engine.step_log = []  # record a StepStats per step (minivllm/stats.py)
     return engine
 

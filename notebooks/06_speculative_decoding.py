@@ -75,7 +75,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=64)
 
 
 def make_engine(**options) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(max_num_seqs=1, **options))
+    engine = LLMEngine(EngineConfig(max_num_seqs=1, enable_prefix_caching=False, **options))
     engine.step_log = []  # a StepStats per step (minivllm/stats.py)
     return engine
 
@@ -154,7 +154,8 @@ plt.show()
 # processes only ever add time.
 
 # %%
-timing_engine = LLMEngine(EngineConfig(max_num_batched_tokens=512))
+# No prefix caching: the same prompt is timed again and again, and must be computed each time.
+timing_engine = LLMEngine(EngineConfig(max_num_batched_tokens=512, enable_prefix_caching=False))
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 

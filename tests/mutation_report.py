@@ -51,16 +51,6 @@ EQUIVALENT: dict[str, str] = {
         "`u <= p` for `u < p`: differs only when the uniform draw equals p exactly, which has "
         "probability 0 (2^-24 per draw in float32)"
     ),
-    REJECTION_SAMPLER + "x_target_probs__mutmut_5": (
-        "top-k applied when top_k is 0: k = 0 means the whole vocabulary, keeps all"
-    ),
-    REJECTION_SAMPLER + "x_target_probs__mutmut_13": (
-        "top-p applied with p = 1 (as `top_p <= 1`): drops only tokens after a cumulative "
-        "mass of 1.0, i.e. below float32 resolution"
-    ),
-    REJECTION_SAMPLER + "x_target_probs__mutmut_14": (
-        "top-p applied with p = 1 (as `top_p < 2`): keeps every representable token"
-    ),
     "minivllm.block_allocator.x\u01c1BlockAllocator\u01c1free__mutmut_8": (
         'free_block_ids[block_id] = "" for None: the free queue is an OrderedDict used as an '
         "ordered set, its values are never read"
@@ -80,27 +70,6 @@ EQUIVALENT: dict[str, str] = {
         "the offsets set to None in finish(): it is the request's last call (the output "
         "processor stops the request right after), so they are never read again"
     ),
-    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_17": (
-        "greedy rows divided by their own temperature (0): their sampled token is replaced "
-        "by the argmax taken before, and rows never mix"
-    ),
-    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_19": (
-        "greedy rows divided by 2.0 instead of 1.0: their sampled token is replaced by the "
-        "argmax taken before"
-    ),
-    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_23": (
-        "top-k applied when every top_k is 0: k = 0 means the whole vocabulary, keeps all"
-    ),
-    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_31": (
-        "top-p applied with p = 1 (as `top_p <= 1`): drops only tokens after a cumulative "
-        "mass of 1.0, i.e. below float32 resolution"
-    ),
-    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_32": (
-        "top-p applied with p = 1 (as `top_p < 2`): keeps every representable token"
-    ),
-    SAMPLER + "x\u01c1Sampler\u01c1__call____mutmut_43": (
-        "min-p applied with min_p = 0: masks probabilities below 0, none"
-    ),
     SAMPLER + "x\u01c1Sampler\u01c1_mask_stops_before_min_tokens__mutmut_21": (
         'float("-INF") is float("-inf")'
     ),
@@ -108,7 +77,6 @@ EQUIVALENT: dict[str, str] = {
         "`0 < k <= vocab_size`: k = vocab_size keeps the whole vocabulary either way"
     ),
     SAMPLER + "x__apply_top_k__mutmut_38": 'float("-INF") is float("-inf")',
-    SAMPLER + "x__apply_top_p__mutmut_43": 'float("-INF") is float("-inf")',
 }
 ASSERT_MESSAGE = "the text of an assert's message (shown only when an invariant is broken)"
 LAST_AXIS = "the (rejection) sampler's tensors are 2-D [rows, vocab_size]: axis +1 is axis -1"

@@ -29,6 +29,7 @@ def queue_rows(tiny_llama_path):
         max_num_seqs=3,
         max_model_len=96,
         attention_backend="torch",
+        enable_prefix_caching=False,  # as benchmarks/scheduler_queues.py: a real recompute
     )
     return scheduler_queues.trace(LLMEngine(config), 16)
 

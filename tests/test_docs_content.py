@@ -1,6 +1,6 @@
 """The docs' sources, checked without building the site: a figure in every tutorial
-chapter, every image they point at exists (or is drawn by `make notebooks`), no diagram
-that needs a script from the network, and notebook pages without tooling comments."""
+chapter, every image they point at exists in the repository, no diagram that needs a
+script from the network, and notebook pages without tooling comments."""
 
 from __future__ import annotations
 
@@ -24,19 +24,14 @@ def test_every_tutorial_chapter_has_a_figure(chapter):
 
 
 @pytest.mark.parametrize("page", sorted(DOCS.glob("**/*.md")), ids=lambda p: p.stem)
-def test_images_exist_or_come_from_the_notebooks(page):
+def test_images_exist(page):
     for src in IMAGE.findall(page.read_text()):
         if src.startswith("http"):
             pytest.fail(f"{page.name} loads {src} from the network")
         # A snippet is included into pages of docs/: its paths are relative to those.
         base = DOCS if page.parent.name == "snippets" else page.parent
         target = (base / src).resolve()
-        if "notebooks/figures/" in src:  # written by `make notebooks` from a tagged cell
-            name = target.stem
-            tags = "".join(p.read_text() for p in (ROOT / "notebooks").glob("[0-9]*.py"))
-            assert f'"figure-{name}"' in tags, f"{page.name}: no notebook cell draws {name}"
-        else:
-            assert target.is_file(), f"{page.name}: {src} does not exist"
+        assert target.is_file(), f"{page.name}: {src} does not exist"
 
 
 def test_no_diagram_needs_a_script_from_a_cdn():

@@ -72,9 +72,14 @@ def test_chunked_prefill_matches_transformers(hf_reference):
 
 
 def test_preemption_matches_transformers(hf_reference):
-    """So few blocks that requests must be evicted and recomputed, yet outputs are exact."""
+    """So few blocks that requests must be evicted and recomputed, yet outputs are exact.
+    Prefix caching off: with it, a readmitted request finds its own freed blocks still
+    cached and skips the recompute this test is about (outputs exact either way)."""
     path, prompts, expected = hf_reference
-    llm, got = _generate(path, prompts, block_size=4, num_kv_blocks=24, max_model_len=96)
+    squeezed = dict(block_size=4, num_kv_blocks=24, max_model_len=96)
+    _, cached = _generate(path, prompts, **squeezed)  # the default: prefix caching on
+    assert cached == expected
+    llm, got = _generate(path, prompts, enable_prefix_caching=False, **squeezed)
     engine = llm.llm_engine
     assert engine.scheduler.num_preemptions > 0
     preempted = {rid for step in engine.step_log for rid in step.preempted_ids}

@@ -53,8 +53,10 @@ def test_greedy_ignores_batch_companions(llm):
         SamplingParams(temperature=0.8, top_k=1, seed=0),
         SamplingParams(temperature=1.5, min_p=1.0, seed=0),
         SamplingParams(temperature=1.0, top_p=1e-6, seed=0),
+        SamplingParams(temperature=1.0, top_p=1e-300, seed=0),  # 0.0 in float32
+        SamplingParams(temperature=1.0, top_p=5e-324, min_p=1.0, top_k=1, seed=0),
     ],
-    ids=["top_k=1", "min_p=1", "tiny top_p"],
+    ids=["top_k=1", "min_p=1", "tiny top_p", "top_p under float32", "all at once"],
 )
 def test_filters_that_leave_one_token_equal_greedy(llm, params):
     params.max_tokens, params.ignore_eos = 12, True
@@ -79,6 +81,43 @@ def test_top_p_keeps_smallest_set_reaching_p(p, seed):
     smallest_kept = probs[kept].min().item()
     assert kept_mass - smallest_kept < p + 1e-5  # ...and nothing superfluous
     assert (probs[~kept] <= smallest_kept + 1e-7).all()  # the most likely tokens
+
+
+extreme_floats = st.sampled_from([5e-324, 1e-300, 1e-45, 1e-30, 1e-7, 0.5, 1 - 1e-9, 1.0])
+
+
+@given(
+    top_p=extreme_floats,
+    min_p=st.just(0.0) | extreme_floats,
+    top_k=st.sampled_from([0, 1, 2, 49, 50, 51, 10**30]),
+    temperature=st.sampled_from([1e-5, 1e-3, 0.7, 1.0, 50.0, 1e30, 1e300]),
+    scale=st.sampled_from([1e-3, 1.0, 30.0, 1e4]),
+    seed=st.integers(0, 2**31),
+)
+def test_filters_at_extremes_always_keep_the_most_likely_token(
+    top_p, min_p, top_k, temperature, scale, seed
+):
+    """Whatever the filters' parameters, the distribution is finite and keeps a most likely
+    token: the sampler never draws from an empty set (which gave token 0). (min-p zeroes
+    probabilities after the softmax without renormalising: the exponential race does not
+    need it.)"""
+    from minivllm.sampler import sampling_probs
+
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, 50, generator=generator) * scale
+    logits[1, 7] = float("-inf")  # a banned token (min_tokens, allowed_token_ids)
+    params = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+    probs = sampling_probs(logits, [params, params])
+    assert probs.isfinite().all() and (probs >= 0).all()
+    if min_p == 0:
+        assert torch.allclose(probs.sum(-1), torch.ones(2), atol=1e-5)
+    # "Most likely" as float32 sees it: at temperature 1e30 every token is equally likely.
+    unfiltered = (logits / min(temperature, torch.finfo(torch.float32).max)).softmax(-1)
+    for row in range(2):
+        kept, best = probs[row] > 0, unfiltered[row].max()
+        assert unfiltered[row][kept].max() == best  # a most likely token is kept
+        if top_k == 1 or min_p == 1.0 or top_p < 1e-30:  # only the most likely may be drawn
+            assert (unfiltered[row][kept] == best).all()
 
 
 def test_sampler_follows_the_distribution():

@@ -37,6 +37,7 @@ from hypothesis.stateful import (
 
 from minivllm import LLM, EngineConfig, LLMEngine
 from minivllm.input_batch import InputBatch
+from minivllm.model_info import ModelInfo
 from minivllm.model_runner import ModelRunner
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.sampling_params import SamplingParams
@@ -68,10 +69,8 @@ class FakeExecutor(ModelRunner):
         self.block_size = block_size
         self.device = torch.device("cpu")
         self.input_batch = InputBatch(block_size, self.device)
-        self.model_config = SimpleNamespace(vocab_size=1000)  # prompts may use any id
         self.num_kv_blocks = num_blocks
         self.max_model_len = num_blocks * block_size  # what the real executor allows at most
-        self.eos_token_ids = frozenset({EOS})
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.rng = rng
         self.eos_prob = eos_prob
@@ -80,8 +79,8 @@ class FakeExecutor(ModelRunner):
         self.requests = engine.scheduler.requests
         self.allocator = engine.kv_cache_manager.allocator
 
-    def get_tokenizer(self):
-        return None
+    def shutdown(self) -> None:
+        pass
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, positions, metadata = self.prepare_inputs(scheduler_output)
@@ -139,7 +138,9 @@ class EngineUnderTest:
             speculative_config=speculative_config,
         )
         executor = FakeExecutor(num_blocks, block_size, rng, eos_prob)
-        self.engine = LLMEngine(config, executor=executor)
+        # What the engine's front end knows of this model: any id is a prompt token.
+        model_info = ModelInfo(SimpleNamespace(vocab_size=1000), None, frozenset({EOS}))
+        self.engine = LLMEngine(config, executor=executor, model_info=model_info)
         executor.attach(self.engine)
         self.record_decision_before_update()
         self.scheduler = self.engine.scheduler

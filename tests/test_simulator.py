@@ -162,7 +162,7 @@ def test_bad_presets_are_argparse_errors_listing_the_choices(flags, message, cap
     [
         (
             ["--tensor-parallel-size", "0"],
-            "--tensor-parallel-size: must be a positive int, got '0'",
+            "--tensor-parallel-size/-tp: must be a positive int, got '0'",
         ),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: must be in (0, 1]"),
         (["--num-replicas", "0"], "--num-replicas: must be a positive int"),

@@ -1,9 +1,12 @@
 """mkdocs hook: the notebook pages in a two-language site.
 
-Notebooks stay in English and are executed once (notebooks/execute.py). This hook makes
-mkdocs-jupyter's pages survive mkdocs-static-i18n (both languages render the same executed
-notebook), turns the notebooks' links to other pages into site URLs, and puts at the top of
-each notebook page a link to the Chinese chapter that explains the same idea.
+Notebooks stay in English; the site renders the executed copies pinned in docs/notebooks/
+(`python notebooks/execute.py --pin NN`, committed), so a fresh clone builds without running
+anything. A notebook with no pinned copy yet is rendered from its source, without outputs,
+under a note saying so. This hook makes mkdocs-jupyter's pages survive mkdocs-static-i18n
+(both languages render the same notebook), turns the notebooks' links to other pages into
+site URLs, and puts at the top of each notebook page a link to the Chinese chapter that
+explains the same idea.
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+import tempfile
 from pathlib import Path
 
 from mkdocs.exceptions import PluginError
 from mkdocs.plugins import event_priority
+from mkdocs.structure.files import File
 from mkdocs_jupyter.plugin import NotebookFile
 
 # Notebook file stem -> the Chinese chapters that explain it: (docs path, title).
@@ -61,6 +66,37 @@ def on_config(config):
     return config
 
 
+# Notebooks without a pinned executed copy, rendered from source (see _unexecuted_copies).
+UNEXECUTED_NOTE = (
+    "> **No outputs in this build.** This notebook has no pinned executed copy yet: run "
+    "`python notebooks/execute.py --pin {number}` to measure one, or run it yourself "
+    "(`python notebooks/execute.py {number}`)."
+)
+_scratch = tempfile.TemporaryDirectory(prefix="minivllm-notebooks-")
+
+
+def _unexecuted_copies(config) -> list[File]:
+    """Pages for the notebooks that have a source but no pinned executed copy."""
+    import jupytext
+    import nbformat
+
+    docs = Path(config["docs_dir"])
+    sources = sorted((docs.parent / "notebooks").glob("[0-9][0-9]_*.py"))
+    pages = []
+    for source in sources:
+        src_uri = f"notebooks/{source.stem}.ipynb"
+        if (docs / src_uri).exists():
+            continue
+        notebook = jupytext.read(source)
+        note = UNEXECUTED_NOTE.format(number=source.stem[:2])
+        notebook.cells.insert(1, nbformat.v4.new_markdown_cell(note))
+        target = Path(_scratch.name) / src_uri
+        target.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(notebook, target)
+        pages.append(File(src_uri, _scratch.name, config["site_dir"], config["use_directory_urls"]))
+    return pages
+
+
 @event_priority(-200)  # after mkdocs-static-i18n's on_files (-100)
 def on_files(files, config):
     """mkdocs-static-i18n rebuilds every File, which turns mkdocs-jupyter's notebook pages
@@ -70,6 +106,9 @@ def on_files(files, config):
     site's frame; nothing is executed again)."""
     i18n = config.plugins["i18n"]
     prefix = "" if i18n.current_language == i18n.default_language else i18n.current_language
+    for page in _unexecuted_copies(config):
+        if files.get_file_from_path(page.src_uri) is None:
+            files.append(page)
     for file in list(files):
         if file.src_uri.endswith(".ipynb") and not isinstance(file, NotebookFile):
             notebook = NotebookFile(

@@ -8,9 +8,9 @@ import math
 import sys
 from dataclasses import asdict
 
-from minivllm import arg_types
 from minivllm.bench.workloads import Workload
 from minivllm.config import SCHEDULING_POLICIES
+from minivllm.entrypoints import cli_args
 
 
 def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
@@ -18,44 +18,49 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         "--policy",
         "--scheduling-policy",
         default="static,continuous",
-        type=arg_types.comma_list(SCHEDULING_POLICIES, "scheduling policy"),
+        type=cli_args.comma_list(SCHEDULING_POLICIES, "scheduling policy"),
         help="scheduling policies to compare, comma-separated: continuous, static",
     )
     w = bench.add_argument_group("workload")
     w.add_argument(
         "--workload", choices=["synthetic", "shared-prefix", "file"], default="synthetic"
     )
-    w.add_argument("--num-prompts", type=arg_types.positive_int, default=64)
+    w.add_argument("--num-prompts", type=cli_args.positive_int, default=64)
     w.add_argument(
         "--prompt-len",
         default="uniform:16:400",
-        type=arg_types.length_distribution,
+        type=cli_args.length_distribution,
         help="N, uniform:LO:HI or lognormal:MED:SIGMA:LO:HI",
     )
     w.add_argument(
         "--output-len",
         default="uniform:8:128",
-        type=arg_types.length_distribution,
+        type=cli_args.length_distribution,
         help="like --prompt-len",
     )
     w.add_argument(
         "--system-prompt-len",
-        type=arg_types.positive_int,
+        type=cli_args.positive_int,
         default=256,
         help="for --workload shared-prefix",
     )
     w.add_argument(
         "--dataset",
-        type=arg_types.existing_file,
+        type=cli_args.existing_file,
         default=None,
         help="JSONL of prompts, for --workload file",
     )
-    w.add_argument("--workload-seed", type=arg_types.non_negative_int, default=0)
+    w.add_argument("--workload-seed", type=cli_args.non_negative_int, default=0)
     r = bench.add_argument_group("arrivals (default: offline, everything at t=0)")
     r.add_argument(
-        "--request-rate", type=arg_types.rate, default=math.inf, help="Poisson, requests/s"
+        "--request-rate", type=cli_args.rate, default=math.inf, help="Poisson, requests/s"
     )
-    r.add_argument("--max-concurrency", type=arg_types.positive_int, default=None)
+    r.add_argument(
+        "--max-concurrency",
+        type=cli_args.positive_int,
+        default=None,
+        help="most requests in flight at once (default: no limit)",
+    )
     h = bench.add_argument_group("a running server instead (like `vllm bench serve`)")
     h.add_argument(
         "--base-url",
@@ -78,7 +83,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     o.add_argument("--brief", action="store_true", help="a short table: the key rows only")
     o.add_argument(
         "--threads",
-        type=arg_types.positive_int,
+        type=cli_args.positive_int,
         default=None,
         help="torch CPU threads for every run (default: torch's). On a CPU shared with other "
         "busy processes, 1 avoids threads waiting on each other at every small op",
@@ -97,7 +102,7 @@ def run_bench(args: argparse.Namespace) -> int:
     policies = args.policy
     for policy in policies:
         _engine_config(args, policy)  # a bad option or policy name fails before any work
-    model_path = args.model or _default_model()
+    model_path = _model_path(args.model)
     workload = build_workload(args, *_tokenizer_and_vocab_size(model_path))
     if args.base_url:
         return _run_over_http(args, workload, model_path)
@@ -115,14 +120,20 @@ def run_bench(args: argparse.Namespace) -> int:
 
     _add_model_flops(runs, model_path)
     context = _context(args, configs[0], workload, max_model_len, num_kv_blocks)
+    # Stated, not implied: prefix caching's default differs by policy (on where it can be).
+    context["prefix_caching"] = {c.scheduling_policy: c.enable_prefix_caching for c in configs}
+    states = [f"{p} {'on' if on else 'off'}" for p, on in context["prefix_caching"].items()]
+    context["title"] += f"\nprefix caching: {', '.join(states)}"
     context["matmul_peak_gflops"] = measure_matmul_peak()
     notes = ["(percentiles: nearest rank, each one a latency some request or token really had)"]
     notes += report.conclusions(runs)
-    notes.append(
+    peak = (
         f"\nfp32 matmul peak measured just now: {context['matmul_peak_gflops']:.0f} GFLOP/s "
-        f"({_threads(torch.get_num_threads())}); model GFLOP/s counts useful work only "
-        "(no padding, no recomputation)"
+        f"({_threads(torch.get_num_threads())})"
     )
+    if not args.brief:  # the brief table has no GFLOP/s row to explain
+        peak += "; the model GFLOP/s row counts useful work only (no padding, no recomputation)"
+    notes.append(peak)
     agree = report.outputs_agree(runs, "static", "continuous")
     if agree:
         notes.append(
@@ -192,12 +203,10 @@ def build_workload(args: argparse.Namespace, tokenizer, vocab_size: int) -> Work
 
 
 def _engine_config(args: argparse.Namespace, policy: str, max_model_len: int | None = None):
-    from minivllm.config import EngineConfig
-
     overrides = {"scheduling_policy": policy}
     if max_model_len is not None:
         overrides["max_model_len"] = max_model_len
-    return EngineConfig.from_cli_args(args, **overrides)
+    return cli_args.engine_config_from_args(args, **overrides)
 
 
 def _tokenizer_and_vocab_size(model_path):
@@ -232,10 +241,10 @@ def _threads(n: int) -> str:
     return "1 thread" if n == 1 else f"{n} threads"
 
 
-def _default_model() -> str:
-    from minivllm.models.model_files import default_model_path
+def _model_path(model: str | None) -> str:
+    from minivllm.models.model_files import resolve_model_path
 
-    return str(default_model_path())
+    return str(resolve_model_path(model))
 
 
 def _context(args, config, workload: Workload, max_model_len: int, num_kv_blocks: int) -> dict:

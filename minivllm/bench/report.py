@@ -33,6 +33,24 @@ BRIEF_ROWS = (
     "max batch size",
     "preemptions",
 )
+# Which way is better for each row, said in the table next to the ratio column.
+HIGHER_IS_BETTER = {
+    "output tokens/s",
+    "total tokens/s",
+    "requests/s",
+    "model GFLOP/s (useful work)",
+    "KV utilisation (%)",
+    "mean batch size",
+    "max batch size",
+    "prefix cache hit rate (%)",
+}
+NEUTRAL = {"max KV blocks used", "engine steps"}  # more or fewer is neither good nor bad
+
+
+def _better(label: str) -> str:
+    if label in NEUTRAL:
+        return ""
+    return "higher" if label in HIGHER_IS_BETTER else "lower"
 
 
 def table_rows(summary: RunSummary) -> list[tuple[str, float | None, str]]:
@@ -65,8 +83,10 @@ def table_rows(summary: RunSummary) -> list[tuple[str, float | None, str]]:
 
 
 def format_table(runs: list[BenchRun], brief: bool = False) -> str:
-    """Metrics down, runs across; a continuous/static ratio column once both have run.
-    Percentiles are nearest-rank (`LatencyStats`). ``brief``: only `BRIEF_ROWS`."""
+    """Metrics down, runs across; a continuous/static ratio column once both have run,
+    with which way is better. Percentiles are nearest-rank (`LatencyStats`). ``brief``:
+    only `BRIEF_ROWS`. A row no run measured (all "-", e.g. the engine's own counters
+    of a server benchmarked over HTTP) is left out."""
     labels = [label for label, _, _ in table_rows(runs[0].summary)]
     titles: list[str] = []
     columns: list[list[str]] = []
@@ -77,15 +97,21 @@ def format_table(runs: list[BenchRun], brief: bool = False) -> str:
         titles.append(COLUMN_TITLES.get(run.name, run.name))
         columns.append([_cell(value, fmt) for _, value, fmt in rows])
         if run.name in ("static", "continuous") and "static" in done and "continuous" in done:
-            titles.append("cont/static")
+            titles += ["cont/static", "better"]
             columns.append([_ratio(c, s) for c, s in zip(done["continuous"], done["static"])])
-    header = f"{'metric':<26}" + "".join(f"{t:>14}" for t in titles)
+            columns.append([_better(label) for label in labels])
+    measured = [any(_cell_measured(col[i]) for col in columns) for i in range(len(labels))]
+    header = f"{'metric':<28}" + "".join(f"{t:>13}" for t in titles)
     lines = [header, "-" * len(header)]
     for i, label in enumerate(labels):
-        if brief and label not in BRIEF_ROWS:
+        if (brief and label not in BRIEF_ROWS) or not measured[i]:
             continue
-        lines.append(f"{label:<26}" + "".join(f"{col[i]:>14}" for col in columns))
+        lines.append(f"{label:<28}" + "".join(f"{col[i]:>13}" for col in columns))
     return "\n".join(lines)
+
+
+def _cell_measured(cell: str) -> bool:
+    return cell not in ("-", "", "higher", "lower")
 
 
 def conclusions(runs: list[BenchRun]) -> list[str]:

@@ -60,7 +60,12 @@ def run_engine(
     short warm-up, and measure it."""
     if max_concurrency is not None and max_concurrency < 1:  # would never send a request
         raise ValueError(f"max_concurrency must be a positive int or None, got {max_concurrency}")
-    engine = engine or LLMEngine(config)
+    if engine is None:  # built here: closed here too (its tensor-parallel workers)
+        engine = LLMEngine(config)
+        try:
+            return run_engine(config, workload, max_concurrency, progress, engine)
+        finally:
+            engine.close()
     _warm_up(engine, workload)
     before = engine.make_stats()  # the totals the warm-up left
     engine.step_log = []

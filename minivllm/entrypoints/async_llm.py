@@ -10,17 +10,21 @@ it cannot run on the event loop. Instead one background thread owns the engine:
     RequestStream ◀── call_soon_threadsafe ─ each RequestOutput to its request's queue
 
 A request that arrives while a step runs waits in the command queue and joins the batch
-at the next step: continuous batching, online. Everything that touches the engine or its
-tokenizer (tokenizing a prompt included) runs on the engine thread.
+at the next step: continuous batching, online. Everything that touches the engine runs on
+the engine thread. Tokenizing a prompt runs on a third thread, the tokenizer thread
+(`run_on_tokenizer_thread`): on the event loop it would stop every stream, on the engine
+thread every step. (Hugging Face's fast tokenizers release the GIL while they encode.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -109,10 +113,23 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._num_steps = 0
         self._stopping = False
+        # Graceful shutdown: no new requests; the engine aborts what is left at the deadline.
+        self._accepting = True
+        self._drain_deadline: float | None = None  # time.monotonic()
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self._thread.start()
+        # One thread: prompts are tokenized one at a time, in arrival order.
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="minivllm-tokenizer"
+        )
+        self.max_chars_per_token = _max_chars_per_token(engine.get_tokenizer())
 
     # --- the event-loop side ---------------------------------------------------------------
+
+    async def run_on_tokenizer_thread(self, function: Callable[[], Prompt]) -> Prompt:
+        """``function()`` (which tokenizes a prompt) on the tokenizer thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, function)
 
     async def add_request(
         self, request_id: str, prompt: Prompt | PromptFactory, params: SamplingParams
@@ -120,10 +137,14 @@ class AsyncLLM:
         """Queue a request; returns once the engine accepted it. A bad prompt raises the
         engine's ValueError here, before any output (so a server can still answer 400).
 
-        ``prompt`` may be a function, called on the engine thread, so that tokenizing
-        (which uses the engine's tokenizer) never races with a step."""
+        ``prompt`` may also be a function, called on the engine thread between two steps
+        (cheap work only: the server tokenizes on the tokenizer thread first, see
+        `run_on_tokenizer_thread`, and passes token ids). After `begin_shutdown` every
+        request is refused with EngineDeadError (a 503)."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
+        if not self._accepting:
+            raise EngineDeadError("the server is shutting down")
         stream = RequestStream(request_id, self)
         accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -166,7 +187,7 @@ class AsyncLLM:
 
     @property
     def tokenizer(self):
-        """The engine's tokenizer: use it only inside a prompt function (engine thread)."""
+        """The engine's tokenizer, for the tokenizer thread and prompt functions."""
         return self.engine.get_tokenizer()
 
     @property
@@ -177,12 +198,25 @@ class AsyncLLM:
     def num_steps(self) -> int:
         return self._num_steps
 
+    def begin_shutdown(self, grace_period: float) -> None:
+        """Graceful shutdown: refuse new requests from now on; the ones in flight may
+        finish for ``grace_period`` seconds, then each is aborted and its stream ends with
+        an EngineDeadError. Safe from any thread, and from a signal handler: it only sets
+        attributes, which the engine thread reads after every step."""
+        self._accepting = False
+        self._drain_deadline = time.monotonic() + grace_period
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread after its current step; unfinished requests end with an
         EngineDeadError."""
         self._stopping = True
         self._wake_up.set()
         self._thread.join(timeout)
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     def _submit(self, command: Callable[[], None]) -> None:
         self._commands.put(command)
@@ -197,6 +231,9 @@ class AsyncLLM:
             # so the wait below cannot miss it.
             self._wake_up.clear()
             self._apply_commands()
+            deadline = self._drain_deadline
+            if deadline is not None and time.monotonic() >= deadline and self._streams:
+                self._fail_all(EngineDeadError("the server shut down before this request finished"))
             if not engine.has_unfinished_requests():
                 self._wake_up.wait()  # idle: sleep, no busy loop
                 continue
@@ -249,9 +286,20 @@ class AsyncLLM:
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, stream in list(self._streams.items()):
-            self.engine.abort_request(request_id)
+            if self.engine.abort_request(request_id):
+                for listener in self.abort_listeners:
+                    _call_logged(listener, request_id)
             stream.put_threadsafe(error)
         self._streams.clear()
+
+
+def _max_chars_per_token(tokenizer) -> int:
+    """The longest token's length in characters: a text of ``n`` characters has at least
+    ``n / max_chars_per_token`` tokens (for tokenizers whose tokens spell out their text,
+    as byte-level BPE's do). 1 without a tokenizer."""
+    if tokenizer is None:
+        return 1
+    return max(1, max(map(len, tokenizer.get_vocab())))
 
 
 def _call_logged(function: Callable, *args) -> None:

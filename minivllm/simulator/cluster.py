@@ -19,6 +19,7 @@ from minivllm.bench.runner import BenchRun, exact_params
 from minivllm.bench.workloads import BenchRequest, Workload
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
+from minivllm.model_info import ModelInfo
 from minivllm.models.arithmetic import check_tensor_parallel, request_flops
 from minivllm.models.llama import ModelConfig
 from minivllm.simulator.acceptance import AcceptanceProfile
@@ -112,7 +113,11 @@ def build_replica(config: EngineConfig, deployment: Deployment, seed: int = 0) -
         deployment.acceptance_profile,
         seed,
     )
-    return Replica(LLMEngine(config, executor=executor, clock=clock), clock, executor)
+    # Prompts are token ids and outputs placeholders: no tokenizer; EOS is never reached
+    # (every request has ignore_eos).
+    model_info = ModelInfo(executor.model_config, tokenizer=None, eos_token_ids=frozenset())
+    engine = LLMEngine(config, executor=executor, clock=clock, model_info=model_info)
+    return Replica(engine, clock, executor)
 
 
 def simulate(

@@ -8,8 +8,8 @@ import math
 import sys
 from dataclasses import asdict, replace
 
-from minivllm import arg_types
 from minivllm.config import SCHEDULING_POLICIES
+from minivllm.entrypoints import cli_args
 from minivllm.simulator import acceptance
 from minivllm.simulator.cluster import ROUTERS
 from minivllm.simulator.hardware import HARDWARE_CHOICES
@@ -24,6 +24,7 @@ NOT_SIMULATED = (
     "dtype",
     "device",
     "seed",
+    "tensor_parallel_size",  # the deployment's own --tensor-parallel-size below
 )
 TIMELINE_REQUESTS = 60  # the timeline plot draws the first requests only: one row each
 
@@ -32,31 +33,31 @@ def add_simulate_arguments(sim: argparse.ArgumentParser) -> None:
     d = sim.add_argument_group("deployment")
     d.add_argument("--hardware", default="h200", choices=HARDWARE_CHOICES)
     d.add_argument("--model", default="llama-3.1-8b", choices=list(MODELS))
-    d.add_argument("--tensor-parallel-size", type=arg_types.positive_int, default=1)
-    d.add_argument("--gpu-memory-utilization", type=arg_types.fraction, default=0.9)
-    d.add_argument("--num-replicas", type=arg_types.positive_int, default=1)
+    d.add_argument("--tensor-parallel-size", "-tp", type=cli_args.positive_int, default=1)
+    d.add_argument("--gpu-memory-utilization", type=cli_args.fraction, default=0.9)
+    d.add_argument("--num-replicas", type=cli_args.positive_int, default=1)
     d.add_argument("--router", default="round-robin", choices=ROUTERS)
     w = sim.add_argument_group("workload")
-    w.add_argument("--num-prompts", type=arg_types.positive_int, default=1000)
+    w.add_argument("--num-prompts", type=cli_args.positive_int, default=1000)
     w.add_argument(
-        "--request-rate", type=arg_types.rate, default=math.inf, help="Poisson, requests/s"
+        "--request-rate", type=cli_args.rate, default=math.inf, help="Poisson, requests/s"
     )
     w.add_argument(
         "--lengths", default="sharegpt", choices=list(CHAT_LENGTHS), help="length preset"
     )
     w.add_argument(
         "--prompt-len",
-        type=arg_types.length_distribution,
+        type=cli_args.length_distribution,
         default=None,
         help="override: N, uniform:LO:HI, lognormal:...",
     )
     w.add_argument(
         "--output-len",
-        type=arg_types.length_distribution,
+        type=cli_args.length_distribution,
         default=None,
         help="override, like --prompt-len",
     )
-    w.add_argument("--workload-seed", type=arg_types.non_negative_int, default=0)
+    w.add_argument("--workload-seed", type=cli_args.non_negative_int, default=0)
     s = sim.add_argument_group("speculative decoding (with --speculative-config)")
     s.add_argument(
         "--acceptance-rate",
@@ -70,13 +71,13 @@ def add_simulate_arguments(sim: argparse.ArgumentParser) -> None:
     m = sim.add_argument_group("modes")
     m.add_argument(
         "--search-p99-ttft",
-        type=arg_types.positive_float,
+        type=cli_args.positive_float,
         default=None,
         metavar="SECONDS",
         help="find the fewest replicas whose P99 TTFT at --request-rate is within this",
     )
     m.add_argument(
-        "--max-replicas", type=arg_types.positive_int, default=64, help="for --search-p99-ttft"
+        "--max-replicas", type=cli_args.positive_int, default=64, help="for --search-p99-ttft"
     )
     m.add_argument(
         "--calibrate",
@@ -86,18 +87,17 @@ def add_simulate_arguments(sim: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--policy",
         default="static,continuous",
-        type=arg_types.comma_list(SCHEDULING_POLICIES, "scheduling policy"),
+        type=cli_args.comma_list(SCHEDULING_POLICIES, "scheduling policy"),
         help="comma-separated policies",
     )
     # The engine's own flags, generated from EngineConfig, minus what a simulation has no
     # use for (--model here names a preset, not a checkpoint). Defaults: a GPU server's.
-    from minivllm.config import EngineConfig
-
-    EngineConfig.add_cli_args(sim, exclude=NOT_SIMULATED)
+    cli_args.add_engine_args(sim, exclude=NOT_SIMULATED)
     sim.set_defaults(max_num_seqs=256, max_num_batched_tokens=8192)
     o = sim.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     o.add_argument("--plot", default=None, metavar="DIR", help="write timeline/batch/CDF PNGs")
+    o.add_argument("--brief", action="store_true", help="a short table: the key rows only")
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -127,7 +127,9 @@ def run_simulate(args: argparse.Namespace) -> int:
             f"\nsimulated acceptance: {profile.name} (per draft position {rates}); every "
             "decode carries drafts (the placeholder outputs always match an n-gram)"
         )
-    report.print_and_save(runs, context, args.json, args.plot, notes, write_plots=write_plots)
+    report.print_and_save(
+        runs, context, args.json, args.plot, notes, brief=args.brief, write_plots=write_plots
+    )
     return 0
 
 
@@ -201,11 +203,10 @@ def _deployment(args):
 
 def _engine_config(args, policy: str, max_model_len: int):
     """The engine's settings from the flags; no checkpoint (the executor is simulated)."""
-    from minivllm.config import EngineConfig
-
-    return EngineConfig.from_cli_args(
-        args, model=None, scheduling_policy=policy, max_model_len=max_model_len
-    )
+    return cli_args.engine_config_from_args(
+        args, model=None, scheduling_policy=policy, max_model_len=max_model_len,
+        tensor_parallel_size=1,  # the simulated executor splits the model, not the engine
+    )  # fmt: skip
 
 
 def _context(args, config, deployment, workload, num_kv_blocks: int) -> dict:
@@ -220,8 +221,9 @@ def _context(args, config, deployment, workload, num_kv_blocks: int) -> dict:
     )
     blocks_per_region = cdiv(config.max_model_len, config.block_size)
     title = (
-        f"simulated: {deployment.model_name} on {deployment.num_replicas} x "
-        f"{deployment.tensor_parallel_size} x {deployment.hardware.name} ({deployment.router}) | "
+        f"simulated: {deployment.model_name} on {deployment.num_replicas} replica(s) of "
+        f"{deployment.tensor_parallel_size} {deployment.hardware.name} (tensor parallel), "
+        f"router {deployment.router} | "
         f"max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
         f"{config.max_num_batched_tokens}, max_model_len {config.max_model_len}, "
         f"{num_kv_blocks} KV blocks x {config.block_size} per replica (static: "

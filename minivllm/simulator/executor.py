@@ -61,7 +61,6 @@ class SimulatedExecutor:
         self.model_config = model
         self.acceptance = acceptance_profile or AcceptanceProfile.parse(acceptance.DEFAULT)
         self.rng = random.Random(seed)
-        self.eos_token_ids: frozenset[int] = frozenset()  # never reached: ignore_eos
         self.device = torch.device("cpu")  # where per-request generators would live
         self.kv_pool: KVPoolSizing = size_kv_pool(
             model,
@@ -87,8 +86,8 @@ class SimulatedExecutor:
         # nowhere), so a simulation costs the CPU what the engine's loop really costs.
         self.input_batch = InputBatch(config.block_size, self.device)
 
-    def get_tokenizer(self) -> None:
-        return None  # prompts are token ids; outputs are placeholders
+    def shutdown(self) -> None:
+        pass  # nothing to release
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.input_batch.prepare(scheduler_output)

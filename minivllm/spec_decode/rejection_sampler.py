@@ -16,15 +16,18 @@ request emits at least one token and at most ``d + 1``.
   every draft is accepted, the bonus token is drawn from ``p_d``.
 
 Random numbers come from each request's own generator, so a seeded request is
-reproducible. ``p`` is the plain sampler's: temperature, then top-k and top-p.
-(Requests with ``min_p`` get no drafts, as in vLLM.)
+reproducible. ``p`` is the plain sampler's, computed by the same functions
+(`apply_token_bias`, `sampling_probs`): ``allowed_token_ids`` and ``logit_bias``, which
+do not depend on the position, then temperature, top-k and top-p. (Requests with
+``min_p`` or penalties get no drafts, as in vLLM: a penalty depends on the tokens before
+each draft.)
 """
 
 from __future__ import annotations
 
 import torch
 
-from minivllm.sampler import _apply_top_k, _apply_top_p
+from minivllm.sampler import apply_token_bias, sampling_probs
 from minivllm.sampling_params import SamplingParams
 
 
@@ -33,7 +36,9 @@ class RejectionSampler:
         self, logits: torch.Tensor, draft_token_ids: list[int], params: SamplingParams, generator
     ) -> list[int]:
         """logits ``[num_drafts + 1, vocab_size]``: the tokens this request emits."""
+        assert not params.has_penalties  # the scheduler gives such requests no drafts
         if params.greedy:
+            logits = apply_token_bias(logits.float(), [params] * logits.shape[0])
             return accept_greedy(logits.argmax(dim=-1).tolist(), draft_token_ids)
         return accept_random(target_probs(logits, params), draft_token_ids, generator)
 
@@ -71,10 +76,5 @@ def sample(probs: torch.Tensor, generator) -> int:
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """``[rows, vocab]`` probabilities the plain sampler would draw from for ``params``."""
-    rows = logits.shape[0]
-    logits = logits.float() / params.temperature
-    if params.top_k > 0:
-        logits = _apply_top_k(logits, [params.top_k] * rows)
-    if params.top_p < 1:
-        logits = _apply_top_p(logits, [params.top_p] * rows)
-    return logits.softmax(dim=-1)
+    rows_params = [params] * logits.shape[0]
+    return sampling_probs(apply_token_bias(logits.float(), rows_params), rows_params)

@@ -21,7 +21,7 @@ BOXES = {
     "sched": (3, 9.7, "Scheduler.schedule()", "token budget, chunking, preemption"),
     "kvm": (7.6, 9.7, "KVCacheManager", "block tables"),
     "alloc": (7.6, 8.5, "BlockAllocator", "free list, ref counts"),
-    "executor": (3, 8.0, "Executor.execute_model()", "model, tokenizer, KV cache size"),
+    "executor": (3, 8.0, "Executor.execute_model()", "model, KV cache; 1 process or TP workers"),
     "runner": (3, 6.9, "ModelRunner.prepare_inputs()", "input_ids, positions, AttentionMetadata"),
     "model": (3, 5.8, "CausalLM (models/llama.py)", "flat [num_tokens, hidden]"),
     "write": (7.6, 6.6, "write_kv_cache", "slot_mapping"),

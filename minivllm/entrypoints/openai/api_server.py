@@ -1,9 +1,10 @@
 """``minivllm serve``: an OpenAI-compatible HTTP server on FastAPI + uvicorn.
 
 Routes (vLLM's shapes): POST /v1/completions, POST /v1/chat/completions (JSON or SSE),
-GET /v1/models, /health, /version, /metrics (Prometheus, vLLM's names), and the live page
-GET / with its data at GET /live/state. Bad input is a 400 (404 for an unknown model)
-with ``{"error": {"message", "type", "param", "code"}}``.
+GET /v1/models, /health, /ping, /version, /metrics (Prometheus, vLLM's names), and the live
+page GET / with its data at GET /live/state. Bad input is a 400 (404 for an unknown model)
+with ``{"error": {"message", "type", "param", "code"}}``. With ``--api-key``, as in vLLM,
+only the ``/v1/*`` routes ask for it (``Authorization: Bearer KEY``; else a 401).
 
     python -m minivllm.entrypoints.openai.api_server --port 8000 [engine options]
 """
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import importlib.metadata
 import logging
+import secrets
 import signal
 import socket
 import threading
@@ -38,6 +40,7 @@ from minivllm.entrypoints.openai.protocol import (
 )
 from minivllm.entrypoints.openai.serving import OpenAIServing
 from minivllm.entrypoints.prometheus import ServerMetrics
+from minivllm.entrypoints.stats_logger import LoggingStatLogger, startup_summary
 from minivllm.utils import freeze_gc_heap
 
 logger = logging.getLogger("minivllm.serve")
@@ -47,19 +50,24 @@ try:
 except importlib.metadata.PackageNotFoundError:  # run from a source tree
     VERSION = "0.1.0"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds in-flight requests get to finish on SIGTERM
 
 
-def build_app(async_llm: AsyncLLM, model_name: str) -> FastAPI:
+def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``async_llm`` under ``model_name``. The caller owns the
-    `AsyncLLM` (and shuts it down)."""
+    `AsyncLLM` (and shuts it down). With ``api_key``, the ``/v1/*`` routes answer 401
+    unless the request carries ``Authorization: Bearer <api_key>``."""
     prometheus_client.disable_created_metrics()  # no `_created` series, as in vLLM
     live = LiveRequests(start_time=time.perf_counter())
     serving = OpenAIServing(async_llm, model_name, live)
     # Called on the engine thread; setting one attribute of a listed request is safe there.
     async_llm.abort_listeners.append(lambda request_id: live.fail(request_id, "abort"))
+    async_llm.step_listeners.append(live.on_step)
     metrics = ServerMetrics(async_llm, model_name)
     app = FastAPI(title="minivllm", version=VERSION)
     app.state.async_llm = async_llm
+    if api_key is not None:
+        _require_api_key(app, api_key)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -68,7 +76,12 @@ def build_app(async_llm: AsyncLLM, model_name: str) -> FastAPI:
         if any(e["type"] == "json_invalid" for e in errors):
             return JSONResponse(error_body("the body is not valid JSON", 400), status_code=400)
         fields = [".".join(str(p) for p in e["loc"] if p != "body") or "body" for e in errors]
-        message = "; ".join(f"{field}: {e['msg']}" for field, e in zip(fields, errors))
+        message = "; ".join(
+            f"{field} is not supported by minivllm"
+            if e["type"] == "extra_forbidden"  # a field no model here declares
+            else f"{field}: {e['msg']}"
+            for field, e in zip(fields, errors)
+        )
         param = fields[0].split(".")[0] if fields else None
         return JSONResponse(error_body(message, 400, param), status_code=400)
 
@@ -89,6 +102,10 @@ def build_app(async_llm: AsyncLLM, model_name: str) -> FastAPI:
     async def health() -> Response:
         return Response(status_code=200 if async_llm.is_alive else 503)
 
+    @app.get("/ping")  # vLLM's alias of /health (the SageMaker convention)
+    async def ping() -> Response:
+        return await health()
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": VERSION}
@@ -106,6 +123,22 @@ def build_app(async_llm: AsyncLLM, model_name: str) -> FastAPI:
         return live_state(async_llm, live, since)
 
     return app
+
+
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    """vLLM's --api-key: the OpenAI routes need the key; health, metrics and the live page
+    stay open (a load balancer or scraper has no key)."""
+    expected = f"Bearer {api_key}"
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        is_api = request.url.path.startswith("/v1/") or request.url.path == "/v1"
+        if is_api and request.method != "OPTIONS":
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), expected.encode()):
+                message = "Incorrect or missing API key: send Authorization: Bearer <key>"
+                return JSONResponse(error_body(message, 401), status_code=401)
+        return await call_next(request)
 
 
 async def _respond(raw: Request, work) -> Response:
@@ -142,24 +175,65 @@ async def _client_gone(raw: Request) -> None:
 # --- running it ---------------------------------------------------------------------------
 
 
-def serve(engine: LLMEngine, host: str, port: int, model_name: str, log_level="info") -> None:
-    """Serve until SIGINT or SIGTERM, then stop the engine thread and return.
+def serve(
+    engine: LLMEngine,
+    host: str,
+    port: int,
+    model_name: str,
+    log_level="info",
+    api_key: str | None = None,
+    log_stats: bool = True,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+) -> None:
+    """Serve until SIGINT or SIGTERM, then shut down gracefully and return.
 
-    uvicorn catches both signals, drains open connections (up to 5 s), and re-raises the
-    signal once it has stopped; the handlers below turn that into a normal return."""
+    On the signal uvicorn stops accepting connections and waits for the open ones; the
+    engine refuses new requests, lets those in flight run for ``shutdown_timeout``
+    seconds, then aborts the rest: each stream ends with an error event, each plain
+    request gets a 503. So every client hears how its request ended, and uvicorn never
+    has to cancel a handler (which would print a traceback per request). uvicorn then
+    re-raises the signal; the handlers below turn that into a normal return."""
     async_llm = AsyncLLM(engine)
-    app = build_app(async_llm, model_name)
+    app = build_app(async_llm, model_name, api_key)
+    for line in startup_summary(engine, model_name, f"http://{host}:{port}"):
+        logger.info(line)
+    if log_stats:
+        LoggingStatLogger(async_llm)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        # A backstop only: the engine has ended every request by then.
+        timeout_graceful_shutdown=shutdown_timeout + 5,
     )
     previous = signal.signal(signal.SIGTERM, _exit_quietly)
     try:
-        uvicorn.Server(config).run()
+        _GracefulServer(config, async_llm, shutdown_timeout).run()
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
         async_llm.shutdown()
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, which also starts the engine's graceful shutdown on a signal."""
+
+    def __init__(self, config: uvicorn.Config, async_llm: AsyncLLM, grace_period: float):
+        super().__init__(config)
+        self.async_llm = async_llm
+        self.grace_period = grace_period
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            logger.info(
+                "shutting down: %d request(s) in flight get %.0f s to finish",
+                self.async_llm.num_in_flight,
+                self.grace_period,
+            )
+            self.async_llm.begin_shutdown(self.grace_period)
+        super().handle_exit(sig, frame)
 
 
 def _exit_quietly(signum, frame) -> None:
@@ -214,24 +288,39 @@ def run_serve(args: argparse.Namespace, engine_config) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s")
     engine = LLMEngine(engine_config)
     freeze_gc_heap()  # the start-up objects stay out of the collector's passes, as in vLLM
     model_name = args.served_model_name or engine_config.model or DEFAULT_MODEL_NAME
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s")
-    serve(engine, args.host, args.port, model_name, args.log_level)
+    try:
+        serve(
+            engine,
+            args.host,
+            args.port,
+            model_name,
+            args.log_level,
+            api_key=args.api_key,
+            log_stats=not args.disable_log_stats,
+            shutdown_timeout=args.shutdown_timeout,
+        )
+    finally:
+        engine.close()  # tensor-parallel workers leave with the server
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minivllm.config import EngineConfig
+    from minivllm.entrypoints import cli_args
     from minivllm.entrypoints.openai.cli_args import add_server_arguments
 
-    parser = argparse.ArgumentParser(description="minivllm's OpenAI-compatible server")
+    parser = argparse.ArgumentParser(
+        description="minivllm's OpenAI-compatible server",
+        formatter_class=cli_args.DefaultsHelpFormatter,
+    )
     add_server_arguments(parser)
-    EngineConfig.add_cli_args(parser)
+    cli_args.add_engine_args(parser)
     args = parser.parse_args(argv)
     try:
-        config = EngineConfig.from_cli_args(args)
+        config = cli_args.engine_config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
     return run_serve(args, config)

@@ -16,5 +16,23 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the name clients send as `model` (default: --model, or the bundled model's)",
     )
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="ask clients of /v1/* for this key (Authorization: Bearer KEY), like vLLM's; "
+        "/health, /ping, /metrics and the live page stay open (default: no key)",
+    )
+    g.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic stats line (throughput, queues, KV usage) in the log",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGTERM or Ctrl-C, seconds requests in flight get to finish before they "
+        "are aborted (default: 10)",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -14,6 +14,7 @@ REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest
 
 ERROR_TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -32,7 +33,8 @@ class RequestError(ValueError):
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {
         "error": {
-            "message": message,
+            # A message may quote the request; a lone surrogate in it cannot be sent.
+            "message": message.encode("utf-8", "backslashreplace").decode("utf-8"),
             "type": ERROR_TYPES.get(status, "BadRequestError"),
             "param": param,
             "code": status,

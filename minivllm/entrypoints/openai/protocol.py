@@ -1,22 +1,48 @@
 """The OpenAI API's request and response bodies, as pydantic models (vLLM's protocol.py).
 
-Only the fields minivllm implements are declared; unknown fields are ignored, as in
-current vLLM. Field types are checked by pydantic (a wrong type is a 400 naming the
-field); value ranges by `SamplingParams`, so the rules live in one place.
+Only the fields minivllm implements are declared, and a request with any other field is
+refused (400 naming it): nothing is accepted and then silently ignored. (Current vLLM
+accepts unknown fields with a warning in its log, which a client never sees.) The only
+fields accepted without effect are the ones that cannot change the tokens: ``user``,
+``metadata``, ``store``, ``service_tier``, ``safety_identifier`` and the prompt-cache
+hints. Field types are checked by pydantic (a wrong type is a 400 naming the field);
+value ranges by `SamplingParams`, so the rules live in one place. Every string must be
+encodable as UTF-8 (JSON allows a lone surrogate such as ``"\\ud800"``; a tokenizer
+does not).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class OpenAIRequestModel(OpenAIBaseModel):
+    """A request body (or a part of one): an undeclared field is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _encodable(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"the text has a character that cannot be encoded as UTF-8 at index {e.start} "
+            "(a lone UTF-16 surrogate?)"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 # --- errors ---------------------------------------------------------------------------------
@@ -36,26 +62,36 @@ class ErrorResponse(OpenAIBaseModel):
 # --- requests -------------------------------------------------------------------------------
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(OpenAIRequestModel):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(OpenAIRequestModel):
     """What completions and chat requests share."""
 
-    model: str | None = None
+    model: Text | None = None
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # vLLM extra; 0 or -1 = off
     min_p: float = 0.0  # vLLM extra
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM extra
+    # JSON keys are strings: token ids given as "50256" are read as ints.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM extra
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extra
+    include_stop_str_in_output: bool = False  # vLLM extra
+    skip_special_tokens: bool = True  # vLLM extra
     ignore_eos: bool = False  # vLLM extra
     min_tokens: int = 0  # vLLM extra
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Accepted, no effect on the tokens: who asks, and hints for OpenAI's own services.
+    user: str | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -70,10 +106,17 @@ class SamplingFields(OpenAIBaseModel):
             top_k=self.top_k,
             min_p=self.min_p,
             seed=self.seed,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             ignore_eos=self.ignore_eos,
             # Streams get each step's new text; a plain response only the final result.
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
@@ -83,23 +126,41 @@ class SamplingFields(OpenAIBaseModel):
 class CompletionRequest(SamplingFields):
     # Text, or token ids (what `vllm bench serve` and `minivllm bench --base-url` send).
     # A list of several prompts (a batch in one request) is not supported.
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
+    # Declared to be refused with a clear message unless they ask for nothing.
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    best_of: int | None = None  # only 1 (= n): one sample, best of one
 
 
-class ChatMessage(OpenAIBaseModel):
-    role: str
-    content: str | list[dict] | None = None
+class TextContentPart(OpenAIRequestModel):
+    """The one content part a text-only model reads (images, audio, files are refused)."""
+
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(OpenAIRequestModel):
+    role: Text
+    content: Text | list[TextContentPart] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     max_tokens: int | None = None  # the deprecated alias
+    # Declared to be refused with a clear message unless they ask for nothing.
     logprobs: bool = False
+    top_logprobs: int | None = None
+    # Accepted, no effect on the tokens: who asks, and hints for OpenAI's own services.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -34,6 +34,7 @@ from minivllm.entrypoints.openai.protocol import (
     CompletionResponse,
     DeltaMessage,
     SamplingFields,
+    TextContentPart,
     UsageInfo,
 )
 from minivllm.outputs import RequestOutput
@@ -63,11 +64,14 @@ class OpenAIServing:
 
     async def create_completion(self, request: CompletionRequest):
         """A `CompletionResponse`, or an SSE event iterator when streaming."""
-        for field in ("echo", "suffix", "logprobs"):
-            if getattr(request, field):
-                raise RequestError(f"{field} is not supported by minivllm", field)
+        _refuse_unless(request.echo is False, "echo")
+        _refuse_unless(request.suffix in (None, ""), "suffix")
+        _refuse_unless(request.logprobs is None, "logprobs")
+        _refuse_unless(request.best_of in (None, 1), "best_of", " (only best_of=1)")
         prompt = _single_prompt(request.prompt)
         label = prompt if isinstance(prompt, str) else f"[{len(prompt)} token ids]"
+        if isinstance(prompt, str):
+            self._check_text_length(len(prompt), "prompt")
         accepted = await self._accept(
             "cmpl", request, request.max_tokens, self._completion_prompt(prompt, request), label
         )
@@ -78,7 +82,7 @@ class OpenAIServing:
         return _completion_response(accepted, final, _usage(final))
 
     def _completion_prompt(self, prompt: str | list[int], request) -> Callable[[], Prompt]:
-        def build() -> Prompt:  # runs on the engine thread
+        def build() -> Prompt:  # runs on the tokenizer thread
             if isinstance(prompt, str):
                 ids = self.async_llm.tokenizer(prompt).input_ids
                 engine_prompt = {"prompt": prompt, "prompt_token_ids": ids}
@@ -99,9 +103,10 @@ class OpenAIServing:
     # --- chat ----------------------------------------------------------------------------
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
-        if request.logprobs:
-            raise RequestError("logprobs is not supported by minivllm", "logprobs")
+        _refuse_unless(request.logprobs is False, "logprobs")
+        _refuse_unless(request.top_logprobs in (None, 0), "top_logprobs")
         messages = [{"role": m.role, "content": _text_content(m.content)} for m in request.messages]
+        self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
         max_tokens = request.requested_max_tokens
         accepted = await self._accept(
             "chatcmpl",
@@ -130,7 +135,7 @@ class OpenAIServing:
         )
 
     def _chat_prompt(self, messages: list[dict], max_tokens: int | None) -> Callable[[], Prompt]:
-        def build() -> Prompt:  # runs on the engine thread
+        def build() -> Prompt:  # runs on the tokenizer thread
             try:
                 engine_prompt = chat_prompt(self.async_llm.tokenizer, messages)
             except ValueError as e:  # no chat template
@@ -178,19 +183,36 @@ class OpenAIServing:
         prompt: Callable[[], Prompt],
         label: str,
     ) -> Accepted:
-        """Check the model and the parameters, and hand the request to the engine. Every
-        bad input raises before the engine does any work for it. ``label``: the prompt as
-        the live page lists it."""
+        """Check the model and the parameters, tokenize, and hand the request to the
+        engine. Every bad input raises before the engine does any work for it. The prompt
+        is built on the tokenizer thread: neither the event loop (other streams) nor the
+        engine thread (other requests' steps) waits for it. ``label``: the prompt as the
+        live page lists it."""
         self.check_model(request.model)
         params = request.sampling_params(max_tokens)
+        engine_prompt = await self.async_llm.run_on_tokenizer_thread(prompt)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        stream = await self.async_llm.add_request(request_id, prompt, params)
+        stream = await self.async_llm.add_request(request_id, engine_prompt, params)
         self.live.add(request_id, params, label)
         return Accepted(request_id, stream, int(time.time()), self.model_name)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise RequestError(f"The model `{model}` does not exist.", "model", status=404)
+
+    def _check_text_length(self, num_chars: int, param: str) -> None:
+        """vLLM's pre-check, before any tokenizing: no token is longer than the longest
+        one in the vocabulary, so a text longer than ``max_model_len`` of those cannot
+        fit. Refusing it here keeps a 10 MB prompt from costing seconds of tokenizing."""
+        limit = self.async_llm.max_model_len * self.async_llm.max_chars_per_token
+        if num_chars > limit:
+            raise RequestError(
+                f"This model's maximum context length is {self.async_llm.max_model_len} "
+                f"tokens, and no token is longer than {self.async_llm.max_chars_per_token} "
+                f"characters, but your request has {num_chars} characters. Please reduce "
+                "the length of the input.",
+                param,
+            )
 
     def _check_context_length(
         self, prompt: dict, max_tokens: int | None, prompt_param: str, max_tokens_param: str
@@ -256,11 +278,19 @@ def _single_prompt(prompt) -> str | list[int]:
     return prompt
 
 
-def _text_content(content: str | list[dict] | None) -> str:
-    """A message's text; content given as parts keeps the text parts only."""
+def _refuse_unless(supported: bool, field: str, hint: str = "") -> None:
+    """For request fields declared only to refuse every value but the one that asks for
+    nothing (``echo: false``, ``logprobs: null``)."""
+    if not supported:
+        raise RequestError(f"{field} is not supported by minivllm{hint}", field)
+
+
+def _text_content(content: str | list[TextContentPart] | None) -> str:
+    """A message's text; content given as parts (all text: the protocol refuses others)
+    is joined."""
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+    return "".join(part.text for part in content)
 
 
 def _usage(output: RequestOutput) -> UsageInfo:

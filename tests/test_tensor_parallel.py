@@ -1,0 +1,206 @@
+"""Tensor parallelism with real worker processes on gloo: the model split across ranks
+gives the same greedy tokens as the whole model, token for token, with chunked prefill,
+preemption, prefix caching and speculative decoding on; seeded sampling draws the same
+tokens too. A worker that dies or raises makes the engine raise within seconds, and no
+worker process outlives its engine: closed, garbage-collected, failed or served.
+
+Every test that starts workers checks by pid that none is left. Each start imports torch
+in fresh processes (spawn), so these tests are slow on a small machine.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
+from minivllm.scheduler_output import ScheduledChunk, SchedulerOutput
+
+# Small pools and budgets, so a short run chunks prompts, preempts and hits the cache.
+OPTIONS = dict(
+    block_size=4,
+    num_kv_blocks=18,
+    max_num_seqs=4,
+    max_num_batched_tokens=12,
+    enable_prefix_caching=True,
+    speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                        "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+    attention_backend="torch",  # no kernel compile in every worker
+)  # fmt: skip
+SHARED = [7, 8, 9, 10, 11, 12, 13, 14]  # a prefix of two blocks the prompts share
+PROMPTS = [
+    {"prompt_token_ids": SHARED + [20, 21, 22, 20, 21]},  # repeats: drafts get proposed
+    {"prompt_token_ids": SHARED + [30]},
+    {"prompt_token_ids": [40 + i for i in range(17)]},  # several prefill chunks
+    {"prompt_token_ids": SHARED + [50, 51, 52]},
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
+
+
+def generate(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def assert_all_gone(pids: list[int], timeout_s: float = 10.0) -> None:
+    """Every one of ``pids`` has exited (and been reaped, or is a zombie about to be)."""
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, f"worker pid {pid} is still running"
+            time.sleep(0.1)
+
+
+def worker_pids(llm_or_engine) -> list[int]:
+    engine = getattr(llm_or_engine, "llm_engine", llm_or_engine)
+    return engine.executor.worker_pids
+
+
+@pytest.fixture(scope="module")
+def whole_model_outputs(tiny_llama_path):
+    llm = LLM(str(tiny_llama_path), **OPTIONS)
+    return generate(llm, GREEDY), generate(llm, SEEDED), llm.llm_engine.scheduler.num_preemptions
+
+
+@pytest.mark.slow  # two worker processes start (~10-40 s)
+def test_two_ranks_equal_one_token_for_token_and_gc_leaves_no_process(
+    tiny_llama_path, whole_model_outputs
+):
+    """The tiny Llama (4 heads, 2 KV heads) split across 2 ranks: one KV head each."""
+    greedy, seeded, num_preemptions = whole_model_outputs
+    assert num_preemptions > 0  # the small pool really preempts
+    llm = LLM(str(tiny_llama_path), tensor_parallel_size=2, **OPTIONS)
+    pids = worker_pids(llm)
+    assert all(psutil.pid_exists(pid) for pid in pids)
+    assert generate(llm, GREEDY) == greedy
+    assert llm.llm_engine.kv_cache_manager.prefix_cache_stats.num_hit_tokens > 0
+    assert llm.llm_engine.spec_decoding_stats.num_draft_tokens > 0
+    assert generate(llm, SEEDED) == seeded  # rank 0's generators advance as the engine's
+    del llm  # no close(): garbage collection stops the workers
+    gc.collect()
+    assert_all_gone(pids)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_makes_the_step_raise_within_seconds(tiny_llama_path):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), tensor_parallel_size=2, **OPTIONS))
+    pids = worker_pids(engine)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"worker 1 \(pid {pids[1]}\) .*(died|closed)"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 10
+    assert_all_gone(pids)
+
+
+@pytest.mark.slow
+def test_a_worker_that_raises_mid_step_is_reported_and_all_stop(tiny_llama_path):
+    """A block id past the cache's end: the workers' indexing fails, and the engine gets
+    the worker's traceback instead of a hang."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), tensor_parallel_size=2, **OPTIONS))
+    pids = worker_pids(engine)
+    bad = ScheduledChunk("r", [5, 6], 0, block_table=[10**6], sample=True,
+                         sampling_params=GREEDY)  # fmt: skip
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="raised while running a step:(.|\n)*Error"):
+        engine.executor.execute_model(SchedulerOutput(chunks=[bad]))
+    assert time.monotonic() - start < 10
+    assert_all_gone(pids)
+
+
+def test_bad_splits_are_refused_before_any_process_starts(tiny_llama_path, monkeypatch):
+    with pytest.raises(ValueError, match="4 attention heads must be divisible by "
+                       "tensor_parallel_size=3"):  # fmt: skip
+        LLM(str(tiny_llama_path), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
+        EngineConfig(tensor_parallel_size=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 CUDA devices, torch "
+                       "sees 1"):  # fmt: skip
+        EngineConfig(device="cuda", tensor_parallel_size=2)
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow  # SmolLM2 on three ranks of two cores: about a minute or two
+def test_smollm2_on_three_ranks_equals_one(smollm2_path):
+    """9 query heads and 3 KV heads: 3 query heads and 1 KV head per rank."""
+    options = OPTIONS | dict(num_kv_blocks=16, attention_backend="auto")
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    whole = LLM(str(smollm2_path), **options)
+    expected = [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)]
+    assert whole.llm_engine.scheduler.num_preemptions > 0
+    split = LLM(str(smollm2_path), tensor_parallel_size=3, **options)
+    pids = worker_pids(split)
+    try:
+        got = [o.outputs[0].token_ids for o in split.generate(prompts, params, use_tqdm=False)]
+    finally:
+        split.close()
+    assert got == expected
+    assert_all_gone(pids)
+    with pytest.raises(RuntimeError, match="workers are stopped"):
+        split.generate(prompts[:1], params, use_tqdm=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # a server process and its two workers start
+def test_server_with_two_ranks_answers_openai_and_ctrl_c_leaves_no_process(tiny_llama_path):
+    import httpx
+    import openai
+
+    port = _free_port()
+    command = [sys.executable, "-m", "minivllm.cli", "serve", "--model", str(tiny_llama_path)]
+    command += ["--port", str(port), "-tp", "2", "--attention-backend", "torch"]
+    command += ["--num-kv-blocks", "64", "--log-level", "warning"]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pids: list[int] = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, server.stdout.read().decode()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.3)
+        pids = [p.pid for p in psutil.Process(server.pid).children(recursive=True)]
+        assert len(pids) >= 2  # the two workers (and multiprocessing's helper, if any)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        reply = client.completions.create(
+            model=str(tiny_llama_path), prompt="w1 w2 w3", max_tokens=5, temperature=0
+        )
+        expected = LLM(str(tiny_llama_path), num_kv_blocks=64).generate(
+            "w1 w2 w3", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False
+        )
+        assert reply.choices[0].text == expected[0].outputs[0].text
+        server.send_signal(signal.SIGINT)  # what Ctrl-C sends the server
+        assert server.wait(timeout=60) == 0
+        assert "Traceback" not in server.stdout.read().decode()
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert_all_gone(pids)
