@@ -109,6 +109,10 @@ class KVCacheManager:
         blocks. Returns False, taking nothing, when the pool has too few free blocks; cached
         blocks that sit in the free queue count against it, as sharing takes them out."""
         is_admission = computed_blocks is not None
+        if not is_admission and (
+            seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size
+        ):
+            return True  # most decode steps: the last block still has room
         computed_blocks = computed_blocks or []
         assert not is_admission or (seq.num_computed_tokens == 0 and not seq.block_table)
         num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -156,6 +160,8 @@ class KVCacheManager:
         """Give back the blocks past ``ceil(num_computed_tokens / block_size)``: after
         rejected drafts they hold nothing that will be read (speculative decoding)."""
         num_needed = self.num_blocks_needed(seq.num_computed_tokens)
+        if num_needed == len(seq.block_table):
+            return
         for block_id in reversed(seq.block_table[num_needed:]):
             assert self.allocator.block_hashes[block_id] is None, "a draft block was cached"
             self.allocator.free(block_id)

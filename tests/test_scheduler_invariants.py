@@ -37,6 +37,7 @@ from hypothesis.stateful import (
 )
 
 from minivllm import LLM, EngineConfig, LLMEngine
+from minivllm.input_batch import InputBatch
 from minivllm.model_info import ModelInfo
 from minivllm.model_runner import ModelRunner
 from minivllm.outputs import ModelRunnerOutput
@@ -68,6 +69,7 @@ class FakeExecutor(ModelRunner):
         # No model and no cache tensors: only what `prepare_inputs` reads.
         self.block_size = block_size
         self.device = torch.device("cpu")
+        self.input_batch = InputBatch(block_size, self.device)
         self.num_kv_blocks = num_blocks
         self.max_model_len = num_blocks * block_size  # what the real executor allows at most
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
