@@ -5,10 +5,11 @@
 
 Every request is the same ``--system-prompt-len``-token system prompt followed by its own
 ``--user-len`` tokens, and generates exactly ``--output-len`` tokens (greedy, EOS ignored).
-All requests arrive at once, so the hits come from the steps after the first: a block is
-cached once a step has computed it (vLLM also shares blocks being computed in the same
-step; see kv_cache_manager.py). The same workload runs with prefix caching off and on
-(alternating, ``--repeats`` times each, best time kept), on SmolLM2-135M-Instruct, and the
+All requests arrive at once: a block is registered when the step that computes it is
+scheduled, so requests admitted after the first one share the blocks it computes, in
+that step or a later one (see kv_cache_manager.py). The same workload runs with prefix
+caching off and on (alternating, ``--repeats`` times each, best time kept), on
+SmolLM2-135M-Instruct, and the
 script prints the tokens the model had to compute, the prefix-cache hit rate from
 `LLMEngine.stats()`, wall time and throughput, and checks the outputs are identical.
 """

@@ -48,6 +48,13 @@ class Detokenizer:
         )
         self._num_streamed_chars = 0  # for RequestOutputKind.DELTA
         self._num_streamed_tokens = 0
+        # A fast tokenizer's Rust core is called directly: transformers' Python wrapper
+        # around it costs three times the decode itself, twice per output token. (Same
+        # text: the wrapper adds only the clean-up of spaces, used when it is switched on.)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            backend = None
+        self._backend_decode = backend.decode if backend is not None else None
 
     def update(self, token_id: int, stopped_by_token: bool) -> str | None:
         """Add one output token; returns the stop string it completed, if any (then
@@ -68,7 +75,10 @@ class Detokenizer:
         return self._find_stop_string()
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens)
+        skip = self.params.skip_special_tokens
+        if self._backend_decode is not None:
+            return self._backend_decode(token_ids, skip_special_tokens=skip)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip)
 
     def _decode_next(self) -> str:
         """The text the newest token completes ("" while a character is unfinished)."""
@@ -123,15 +133,18 @@ class Detokenizer:
             return self.output_text
         return self.output_text[: max(0, len(self.output_text) - self._hold_back)]
 
-    def take_delta(self, output_token_ids: list[int], finished: bool) -> tuple[str, list[int]]:
-        """Text and token ids not yet streamed (for ``RequestOutputKind.DELTA``)."""
+    def take_delta(
+        self, token_ids: list[int], num_prompt_tokens: int, finished: bool
+    ) -> tuple[str, list[int]]:
+        """Text and output token ids not yet streamed (for ``RequestOutputKind.DELTA``), from
+        the request's ``token_ids`` (prompt first): only the new ones are read."""
         text = self.text_to_show(finished)
         # A stop string never cuts into streamed text: the hold-back is long enough.
         delta_text = text[self._num_streamed_chars :]
-        delta_ids = output_token_ids[self._num_streamed_tokens :]
+        delta_ids = token_ids[num_prompt_tokens + self._num_streamed_tokens :]
         self._num_streamed_chars = max(self._num_streamed_chars, len(text))
-        self._num_streamed_tokens = len(output_token_ids)
+        self._num_streamed_tokens = len(token_ids) - num_prompt_tokens
         return delta_text, delta_ids
 
-    def has_unstreamed_tokens(self, output_token_ids: list[int]) -> bool:
-        return len(output_token_ids) > self._num_streamed_tokens
+    def has_unstreamed_tokens(self, num_output_tokens: int) -> bool:
+        return num_output_tokens > self._num_streamed_tokens

@@ -20,6 +20,7 @@ from minivllm.kv_cache_manager import KVCacheManager
 from minivllm.model_info import ModelInfo, resolve_model_path
 from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput
+from minivllm.parallel_sampling import ParentRequest, ParentRequests
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import Scheduler
 from minivllm.scheduler_interface import SchedulerInterface
@@ -72,6 +73,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(
             tokenizer, self.model_info.eos_token_ids, ex.max_model_len
         )
+        self.parent_requests = ParentRequests()  # n > 1: one parent, n child requests
         self.last_step: SchedulerOutput | None = None  # for walkthroughs
         self.last_stats: StepStats | None = None  # the last step's snapshot, if it ran
         self.step_log: list[StepStats] | None = None  # set to [] to record every step
@@ -113,14 +115,34 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request. Bad input raises ValueError here; nothing is queued then."""
+        """Queue a request. Bad input raises ValueError here; nothing is queued then.
+
+        ``params.n > 1`` fans out into ``n`` child requests (parallel_sampling.py) whose
+        outputs `step` gathers back under ``request_id``."""
         request_id = str(request_id)
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self.parent_requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         arrival_time = self.clock() if arrival_time is None else arrival_time
-        seq = self.input_processor.process(request_id, prompt, params, arrival_time)
-        self.output_processor.add_request(seq)
-        self.scheduler.add_request(seq)
+        parent = None
+        if isinstance(params, SamplingParams) and params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs}: the n "
+                "samples of a prompt are meant to run side by side, sharing its blocks"
+            )
+        if isinstance(params, SamplingParams) and params.n > 1:
+            parent = ParentRequest(request_id, params)
+            children = [(c, parent.child_params(i)) for i, c in enumerate(parent.child_ids)]
+            if any(c in self.scheduler.requests for c in parent.child_ids):
+                raise ValueError(f"a child id of request {request_id!r} is already in flight")
+        else:
+            children = [(request_id, params)]
+        seqs = [self.input_processor.process(r, prompt, p, arrival_time) for r, p in children]
+        if parent is not None:
+            self.parent_requests.add(parent)
+        for seq in seqs:
+            seq.shares_prompt = parent is not None  # siblings share even without caching
+            self.output_processor.add_request(seq)
+            self.scheduler.add_request(seq)
 
     def abort_request(self, request_id: str | Iterable[str]) -> bool | list[bool]:
         """Stop requests in any state and free their blocks at once.
@@ -131,6 +153,9 @@ class LLMEngine:
         if not isinstance(request_id, str) and isinstance(request_id, Iterable):
             return [self.abort_request(r) for r in request_id]
         request_id = str(request_id)
+        parent = self.parent_requests.pop(request_id)
+        if parent is not None:  # every child still in flight
+            return any([self.abort_request(c) for c in parent.child_ids])
         if request_id not in self.scheduler.requests:
             return False
         self.scheduler.finish_requests(request_id, FinishReason.ABORT)
@@ -175,7 +200,7 @@ class LLMEngine:
         )
         if self.step_log is not None:
             self.step_log.append(self.last_stats)
-        return outputs
+        return self.parent_requests.gather(outputs)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix and the hit-rate counters (like vLLM's), e.g. between

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from minivllm.sampling_params import SamplingParams
@@ -70,6 +71,13 @@ class InputProcessor:
         """Plain ints from a list, array or tensor of Python, numpy or torch integers."""
         if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
             raise ValueError(f"prompt_token_ids must be a list of ints, got {token_ids!r}")
+        # The usual cases, checked once rather than with a Python call per token: a list of
+        # plain ints (``type`` is exact: a bool is not a token id), or an integer array.
+        if isinstance(token_ids, list) and set(map(type, token_ids)) <= {int}:
+            return list(token_ids)
+        dtype = getattr(token_ids, "dtype", None)
+        if dtype is not None and getattr(token_ids, "ndim", None) == 1 and _is_integer(dtype):
+            return token_ids.tolist()
         ids, bad = [], []
         for token in token_ids:
             try:
@@ -83,8 +91,8 @@ class InputProcessor:
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("prompt is empty (0 tokens)")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:  # in C, not per token
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             raise ValueError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
@@ -101,3 +109,10 @@ class InputProcessor:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}"
             )
+
+
+def _is_integer(dtype) -> bool:
+    """A numpy or torch integer dtype (not bool)."""
+    if isinstance(dtype, torch.dtype):
+        return not dtype.is_floating_point and not dtype.is_complex and dtype is not torch.bool
+    return np.issubdtype(dtype, np.integer)

@@ -9,16 +9,18 @@ The manager is the only writer of ``seq.block_table``, and it changes the list i
 Automatic prefix caching (vLLM's design). Each *full* block of a request is named by a
 chained hash: ``hash(parent block's hash, this block's token ids)``, so equal hashes mean
 equal tokens at equal positions *and* an equal prefix before them, hence equal keys and
-values. After every step, `cache_full_blocks` registers the blocks that became full
-(prefill chunks and decodes alike; never one holding a draft token not verified yet).
+values. `cache_full_blocks` registers the blocks that become full (prefill chunks and
+decodes alike; never one holding a draft token not verified yet).
 When a request is admitted, `get_computed_blocks` looks up its block hashes in order and
 returns the longest cached run; the request shares those blocks (reference count + 1) and
 starts computing after them.
 
-A block is registered once a step has computed it. vLLM registers it already when the step
-is scheduled (every layer writes the step's keys and values before any attention reads
-them), so that requests admitted in that same step share it too; registering afterwards is
-simpler to reason about and loses only that same-step sharing.
+A block is registered as soon as a step that computes it is *scheduled*, as in vLLM: every
+layer writes the whole step's keys and values before any attention reads them, so a
+request admitted later in the same step can already share it. That is what lets the ``n``
+children of one prompt (parallel_sampling.py) compute the prompt once although they are
+all admitted together. Children are marked ``shares_prompt``: they hash and look up blocks
+even when prefix caching is off (then nobody else does).
 
 Only full blocks are ever shared, and a full block is never written again (a request only
 writes at positions ``>= num_computed_tokens``, past its shared blocks), so sharing needs
@@ -84,7 +86,7 @@ class KVCacheManager:
         """The longest run of cached blocks that starts ``seq``'s tokens, for a request
         about to be admitted; it holds ``len(result) * block_size`` tokens. Nothing is
         taken yet: `allocate_slots` does that, if the rest of the request fits."""
-        if not self.enable_prefix_caching:
+        if not self._caches(seq):
             return []
         max_hit_blocks = (seq.num_tokens - 1) // self.block_size  # always compute the last
         blocks: list[int] = []
@@ -107,6 +109,10 @@ class KVCacheManager:
         blocks. Returns False, taking nothing, when the pool has too few free blocks; cached
         blocks that sit in the free queue count against it, as sharing takes them out."""
         is_admission = computed_blocks is not None
+        if not is_admission and (
+            seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size
+        ):
+            return True  # most decode steps: the last block still has room
         computed_blocks = computed_blocks or []
         assert not is_admission or (seq.num_computed_tokens == 0 and not seq.block_table)
         num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -127,18 +133,21 @@ class KVCacheManager:
             self.prefix_cache_stats.num_hit_tokens += len(computed_blocks) * self.block_size
         return True
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
+    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
         """Register ``seq``'s blocks that are full of computed *and known* tokens and not
-        registered yet, so that later requests can share them.
+        registered yet, so that later requests can share them. ``num_computed_tokens``:
+        what the step being scheduled will have computed (default: what is computed now).
 
         "Known" matters with speculative decoding: accepted drafts are computed in the step
         that verifies them but join ``seq.token_ids`` only afterwards (the output processor
         appends them), so their block is registered one step later. Rejected drafts lie
         past ``num_computed_tokens`` and are never registered: no block holding an
         unverified token can be shared."""
-        if not self.enable_prefix_caching:
+        if not self._caches(seq):
             return
-        end = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        if num_computed_tokens is None:
+            num_computed_tokens = seq.num_computed_tokens
+        end = min(num_computed_tokens, seq.num_tokens) // self.block_size
         first = end  # blocks are registered in order: walk back to the first unregistered
         while first > 0 and self.allocator.block_hashes[seq.block_table[first - 1]] is None:
             first -= 1
@@ -151,6 +160,8 @@ class KVCacheManager:
         """Give back the blocks past ``ceil(num_computed_tokens / block_size)``: after
         rejected drafts they hold nothing that will be read (speculative decoding)."""
         num_needed = self.num_blocks_needed(seq.num_computed_tokens)
+        if num_needed == len(seq.block_table):
+            return
         for block_id in reversed(seq.block_table[num_needed:]):
             assert self.allocator.block_hashes[block_id] is None, "a draft block was cached"
             self.allocator.free(block_id)
@@ -171,6 +182,9 @@ class KVCacheManager:
             return False
         self.prefix_cache_stats = PrefixCacheStats()
         return True
+
+    def _caches(self, seq: Sequence) -> bool:
+        return self.enable_prefix_caching or seq.shares_prompt
 
     def _block_tokens(self, seq: Sequence, i: int) -> list[int]:
         return seq.token_ids[i * self.block_size : (i + 1) * self.block_size]

@@ -7,6 +7,11 @@ each chunk's last row, and only for chunks the scheduler marked to sample (a pre
 chunk in the middle of a prompt has nothing to say); a decode with draft tokens also at
 every draft row, to verify the drafts. It reads nothing but the chunks: why
 a chunk is there is the scheduler's business.
+
+The inputs are built by a persistent `InputBatch` (input_batch.py) that keeps the block
+tables from step to step: at hundreds of requests, rebuilding them every step cost more
+CPU time than the rest of the runner (docs/tutorial/what-a-gpu-would-do.md, "The engine's
+own time per step").
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.attention import AttentionMetadata
+from minivllm.input_batch import InputBatch
 from minivllm.models.arithmetic import kv_heads_per_rank
 from minivllm.models.llama import CausalLM
 from minivllm.outputs import ModelRunnerOutput
@@ -48,48 +54,17 @@ class ModelRunner:
             kv_heads_per_rank(config.num_kv_heads, tensor_parallel_size), config.head_dim,
             dtype=dtype, device=device,
         )  # fmt: skip
+        self.input_batch = InputBatch(block_size, device)  # kept from step to step
         self.sampler = Sampler(eos_token_ids)  # masks EOS before min_tokens
         self.rejection_sampler = RejectionSampler()
 
     def prepare_inputs(
         self, scheduler_output: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """input_ids ``[num_tokens]``, positions ``[num_tokens]`` and the step's metadata."""
-        chunks = scheduler_output.chunks
-        input_ids = [token for chunk in chunks for token in chunk.token_ids]
-        start_positions = [chunk.start_position for chunk in chunks]
-        query_len_list = [len(chunk.token_ids) for chunk in chunks]
-        block_table_list = [chunk.block_table for chunk in chunks]
-
-        query_lens = torch.tensor(query_len_list, dtype=torch.int32)
-        context_lens = torch.tensor(start_positions, dtype=torch.int32) + query_lens
-        cu_seqlens_q = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        torch.cumsum(query_lens, dim=0, out=cu_seqlens_q[1:])
-
-        max_blocks = max(len(table) for table in block_table_list)
-        block_tables = torch.tensor(  # short rows filled with block 0, never read past context_len
-            [table + [0] * (max_blocks - len(table)) for table in block_table_list],
-            dtype=torch.int32,
-        )
-
-        # Position of every token: its sequence's start + its index inside the chunk.
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens.long())
-        offsets = torch.arange(len(input_ids)) - cu_seqlens_q[:-1].long()[seq_of_token]
-        positions = (context_lens - query_lens).long()[seq_of_token] + offsets
-        # The paged address: token `pos` lives in block `block_table[pos // block_size]`.
-        blocks = block_tables[seq_of_token, positions // self.block_size].long()
-        slot_mapping = blocks * self.block_size + positions % self.block_size
-
-        to = dict(device=self.device, non_blocking=True)
-        metadata = AttentionMetadata(
-            slot_mapping=slot_mapping.to(**to),
-            cu_seqlens_q=cu_seqlens_q.to(**to),
-            context_lens=context_lens.to(**to),
-            block_tables=block_tables.to(**to),
-            max_query_len=max(query_len_list),
-            max_context_len=int(context_lens.max()),
-        )
-        return torch.tensor(input_ids).to(**to), positions.to(**to), metadata
+        """input_ids ``[num_tokens]``, positions ``[num_tokens]`` and the step's metadata,
+        from the persistent batch (input_batch.py): only what changed since last step is
+        rewritten."""
+        return self.input_batch.prepare(scheduler_output)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -108,6 +83,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])
         if logits is None:  # a tensor-parallel rank but the first: rank 0 samples
             return ModelRunnerOutput()
+        if len(rows) == len(sampling):  # the usual step, no drafts: row i is chunk i's
+            chunks = [c for c, _ in sampling]
+            tokens = self.sampler(logits, chunks)
+            return ModelRunnerOutput({c.request_id: [t] for c, t in zip(chunks, tokens)})
 
         plain, verified, first_row = [], {}, 0
         for chunk, _ in sampling:

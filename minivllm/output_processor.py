@@ -89,13 +89,13 @@ class OutputProcessor:
         detokenizer = self.detokenizers[seq.request_id]
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        nothing_new = not detokenizer.has_unstreamed_tokens(seq.output_token_ids)
+        nothing_new = not detokenizer.has_unstreamed_tokens(seq.num_output_tokens)
         if kind is RequestOutputKind.DELTA and not finished and nothing_new:
             return None
         if finished:
             del self.detokenizers[seq.request_id]
         if kind is RequestOutputKind.DELTA:
-            text, token_ids = detokenizer.take_delta(seq.output_token_ids, finished)
+            text, token_ids = detokenizer.take_delta(seq.token_ids, seq.num_prompt_tokens, finished)
         else:
             text, token_ids = detokenizer.text_to_show(finished), seq.output_token_ids
         completion = CompletionOutput(

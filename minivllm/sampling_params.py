@@ -35,7 +35,9 @@ class RequestOutputKind(enum.Enum):
 class SamplingParams:
     """Sampling and stopping settings for one request.
 
-    ``temperature=0`` (anything below ``SAMPLING_EPS``) means greedy. ``top_k=0`` (or -1),
+    ``n``: how many completions of the prompt to return (parallel sampling; child ``i``
+    samples with ``seed + i`` when a seed is given). ``temperature=0`` (anything below
+    ``SAMPLING_EPS``) means greedy. ``top_k=0`` (or -1),
     ``top_p=1`` and ``min_p=0`` switch those filters off. ``seed`` makes this request's
     random choices reproducible whatever else shares its batch. ``min_tokens``: no stop
     (EOS, stop ids, stop strings) before that many tokens; EOS and stop ids are not even
@@ -109,8 +111,8 @@ class SamplingParams:
             "repetition_penalty", "frequency_penalty", "presence_penalty",
         ):  # fmt: skip
             _check_real(name, getattr(self, name))
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not implemented), got {self.n}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
         if not 0 <= self.temperature < math.inf:  # also catches NaN
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -137,6 +139,9 @@ class SamplingParams:
             )
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        if self.seed is not None and self.seed + self.n - 1 > SEED_RANGE[1]:
+            # child i of an n > 1 request samples with seed + i (parallel_sampling.py)
+            raise ValueError(f"seed + n - 1 must fit in 64 bits, got seed={self.seed}, n={self.n}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

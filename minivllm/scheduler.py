@@ -89,7 +89,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.add(seq, num_new)
+                self._add_to_step(out, seq, num_new)
                 budget -= num_new
                 i += 1
         return budget
@@ -120,9 +120,16 @@ class Scheduler:
                 self.num_waiting_preempted -= 1
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached
-            out.add(seq, num_new)
+            self._add_to_step(out, seq, num_new)
             budget -= num_new
         return budget
+
+    def _add_to_step(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        """Schedule ``num_new`` tokens of ``seq``, and register the blocks they will fill
+        now (prefix caching): a request admitted later in this step can share them, as every
+        layer writes the step's keys and values before attention reads any."""
+        out.add(seq, num_new)
+        self.kv_cache_manager.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
 
     def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Speculative decoding: extend scheduled decodes with draft tokens, oldest first,
@@ -152,8 +159,9 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> None:
-        """After the model ran: the scheduled tokens' keys and values are in the cache, and
-        the blocks they filled can be shared by later requests (prefix caching).
+        """After the model ran: the scheduled tokens' keys and values are in the cache.
+        Blocks filled by accepted drafts are registered now (prefix caching): they joined
+        the known tokens only with this step's output.
 
         Speculative decoding: of ``d`` drafts, the first ``len(sampled) - 1`` were accepted;
         the rejected ones' keys and values are garbage. ``num_computed_tokens`` stops

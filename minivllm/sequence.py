@@ -93,6 +93,9 @@ class Sequence:
         self.request_id = request_id
         self.prompt = prompt
         self.token_ids: list[int] = list(prompt_token_ids)
+        # Its own copy, kept: every streamed output hands it out (vLLM's too), and slicing
+        # it from token_ids each step would cost the whole prompt, per request, per step.
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
@@ -102,6 +105,9 @@ class Sequence:
         self.stop_reason: str | int | None = None  # the stop string or token id that fired
         self.sampling_params = sampling_params
         self.generator = generator  # this request's own RNG: sampling ignores batch-mates
+        # A child of an ``n > 1`` request: shares its siblings' prompt blocks through the
+        # prefix cache even when prefix caching is off (parallel_sampling.py).
+        self.shares_prompt = False
         now = time.perf_counter()
         self.metrics = RequestMetrics(arrival_time=now if arrival_time is None else arrival_time)
 
@@ -116,21 +122,17 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose keys/values are not in the cache yet: what a step can schedule."""
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def is_prefill(self) -> bool:

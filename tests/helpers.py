@@ -72,6 +72,46 @@ def make_tiny_checkpoint(path: Path, architecture: str = "llama", seed: int = 0)
     return path
 
 
+def make_tiny_chat_checkpoint(path: Path, chat_template: str) -> Path:
+    """`make_tiny_checkpoint` (llama) whose tokenizer has ``chat_template``: the chat route
+    needs one, and the tiny word-level tokenizer has none of its own."""
+    from transformers import AutoTokenizer
+
+    make_tiny_checkpoint(path, "llama")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(url: str, process, timeout_s: float) -> None:
+    """Poll ``url``/health until it answers 200; fail with the server's output if its
+    ``process`` (a `subprocess.Popen`) exits first, or after ``timeout_s`` seconds."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, process.stdout.read().decode()
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
+
+
 def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation of one prompt, run alone (no padding).
 

@@ -23,7 +23,7 @@ def llm(tiny_llama_path):
         ({"top_k": 2.5}, "top_k .* got 2.5"),
         ({"min_p": 2.0}, "min_p .* got 2.0"),
         ({"max_tokens": 0}, "max_tokens must be at least 1, got 0"),
-        ({"n": 2}, "n must be 1"),
+        ({"n": 0}, "n must be at least 1, got 0"),
         ({"stop": [""]}, "stop strings"),
         ({"stop_token_ids": [-1]}, r"stop_token_ids .* \[-1\]"),
         ({"stop": ["w"] * 129}, "stop has 129 strings, more than the 128 allowed"),

@@ -115,13 +115,15 @@ def test_abort_with_prefix_caching_keeps_shared_blocks_for_the_other_owner(tiny_
     engine.add_request("a", shared, GREEDY)
     engine.step()  # "a" computes 8 tokens: 2 blocks registered
     engine.add_request("b", shared, GREEDY)
+    # "a" computes its last 5 tokens: its third block is registered when the step is
+    # scheduled, so "b", admitted after it in the same step, shares all three.
     engine.step()
     a, b = engine.scheduler.requests["a"], engine.scheduler.requests["b"]
-    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
-    shared_blocks = a.block_table[:2]
+    assert b.num_cached_tokens == 12 and b.block_table[:3] == a.block_table[:3]
+    shared_blocks = a.block_table[:3]
     engine.abort_request("a")
     allocator = engine.kv_cache_manager.allocator
-    assert [allocator.ref_counts[block] for block in shared_blocks] == [1, 1]
+    assert [allocator.ref_counts[block] for block in shared_blocks] == [1, 1, 1]
     finished = run_to_completion(engine)
     assert len(finished["b"].outputs[0].token_ids) == 8
 

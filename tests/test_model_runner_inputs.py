@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from minivllm.input_batch import InputBatch
 from minivllm.model_runner import ModelRunner
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -28,6 +31,7 @@ def make_runner(block_size: int) -> ModelRunner:
     runner = ModelRunner.__new__(ModelRunner)  # no model, no cache: inputs only
     runner.block_size = block_size
     runner.device = torch.device("cpu")
+    runner.input_batch = InputBatch(block_size, runner.device)
     return runner
 
 
@@ -246,3 +250,54 @@ def test_each_seeded_request_samples_from_its_own_generator_whatever_its_batch()
     together = sample([1, 2, 3, 4])
     assert together == sample([1]) | sample([2]) | sample([3]) | sample([4])
     assert len(set(map(tuple, together.values()))) > 1  # they did sample, not argmax
+
+
+# --- the persistent batch: what it keeps between steps never changes what it builds --------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_the_persistent_batch_builds_what_a_fresh_one_would(data):
+    """Random steps under the KV-cache manager's rules: requests join, leave, or gain
+    blocks at the end of their table; after a step with draft tokens a table may change
+    anywhere (rejected drafts' blocks are given back, new ones taken); one that leaves
+    and comes back (preempted) has a new table. The batch that remembers earlier steps
+    builds exactly the tensors of a batch that sees this step alone."""
+    block_size = 2
+    kept = InputBatch(block_size, torch.device("cpu"), max_num_reqs=2)  # must grow too
+    tables: dict[str, list[int]] = {}
+    had_drafts: set[str] = set()
+    new_table = st.lists(st.integers(0, 99), min_size=1, max_size=40)
+    for _ in range(data.draw(st.integers(1, 8))):
+        for request_id in "abcdef":
+            action = data.draw(st.sampled_from(["keep", "grow", "leave"]))
+            if action == "leave":
+                tables.pop(request_id, None)
+            elif request_id not in tables:  # joins, or comes back
+                tables[request_id] = data.draw(new_table)
+            elif request_id in had_drafts and data.draw(st.booleans()):
+                tables[request_id] = data.draw(new_table)  # drafts rejected: anything goes
+            elif action == "grow":
+                tables[request_id] += data.draw(st.lists(st.integers(0, 99), max_size=3))
+        had_drafts = set()
+        if not tables:
+            continue
+        out = SchedulerOutput()
+        for request_id, table in tables.items():
+            capacity = len(table) * block_size
+            start = data.draw(st.integers(0, capacity - 1))
+            num_new = data.draw(st.integers(1, capacity - start))
+            chunk = ScheduledChunk(request_id, list(range(num_new)), start, table, sample=False)
+            if num_new > 1 and data.draw(st.booleans()):
+                chunk.num_draft_tokens = num_new - 1
+                had_drafts.add(request_id)
+            out.chunks.append(chunk)
+        fresh = InputBatch(block_size, torch.device("cpu"))
+        built, expected = kept.prepare(out), fresh.prepare(out)
+        for a, b in zip(built[:2], expected[:2]):
+            assert a.tolist() == b.tolist()
+        for name in ("slot_mapping", "cu_seqlens_q", "context_lens", "block_tables"):
+            assert getattr(built[2], name).tolist() == getattr(expected[2], name).tolist()
+        assert built[2].block_tables.tolist() == [
+            t + [0] * (built[2].block_tables.shape[1] - len(t)) for t in tables.values()
+        ]

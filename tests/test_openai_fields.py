@@ -20,7 +20,7 @@ from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.entrypoints.openai.api_server import BackgroundServer
 from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from minivllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from tests.helpers import make_tiny_checkpoint
+from tests.helpers import make_tiny_chat_checkpoint
 
 openai = pytest.importorskip("openai")
 
@@ -56,8 +56,8 @@ OPENAI_FIELDS = {
 # ``user``, ``metadata``, ``store``, ``service_tier``, ``safety_identifier`` and the
 # prompt-cache hints, cannot change the tokens.
 REFUSED_VALUES = {
-    "/v1/completions": {"echo": True, "logprobs": 1, "suffix": "w9", "best_of": 2, "n": 2},
-    "/v1/chat/completions": {"logprobs": True, "top_logprobs": 2, "n": 2},
+    "/v1/completions": {"echo": True, "logprobs": 1, "suffix": "w9", "best_of": 2},
+    "/v1/chat/completions": {"logprobs": True, "top_logprobs": 2},
 }
 NO_EFFECT = {"user", "metadata", "store", "service_tier", "safety_identifier",
              "prompt_cache_key", "prompt_cache_retention"}  # fmt: skip
@@ -65,13 +65,7 @@ NO_EFFECT = {"user", "metadata", "store", "service_tier", "safety_identifier",
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("fields-llama"), "llama")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    return path
+    return make_tiny_chat_checkpoint(tmp_path_factory.mktemp("fields-llama"), CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +142,7 @@ def test_every_openai_field_is_honoured_or_refused(http, route):
             assert_refused(reply, field, named=True)
     for field in REFUSED_VALUES[route]:
         assert field in declared
-        del_value = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None,
+        del_value = {"best_of": 1, "echo": False, "logprobs": None, "suffix": None,
                      "top_logprobs": None}[field]  # fmt: skip
         if route.endswith("chat/completions") and field == "logprobs":
             del_value = False

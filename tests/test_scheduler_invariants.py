@@ -2,7 +2,8 @@
 
 A hypothesis `RuleBasedStateMachine` drives the real `LLMEngine` (its `Scheduler`,
 `KVCacheManager`, `BlockAllocator`, input and output processors) and the real
-`ModelRunner.prepare_inputs`, through random arrivals, aborts and steps, with random block
+`ModelRunner.prepare_inputs`, through random arrivals (``n > 1`` requests too: children
+sharing their prompt's blocks), aborts (of a parent: all its children) and steps, with random block
 sizes, pool sizes, token budgets, ``max_num_seqs``, and prefix caching on or off. Only the
 executor is fake and instant (`FakeExecutor`): what it "writes" into a cache slot is a
 fingerprint of the token prefix ending there, and before sampling it reads back every
@@ -36,6 +37,7 @@ from hypothesis.stateful import (
 )
 
 from minivllm import LLM, EngineConfig, LLMEngine
+from minivllm.input_batch import InputBatch
 from minivllm.model_info import ModelInfo
 from minivllm.model_runner import ModelRunner
 from minivllm.outputs import ModelRunnerOutput
@@ -67,6 +69,7 @@ class FakeExecutor(ModelRunner):
         # No model and no cache tensors: only what `prepare_inputs` reads.
         self.block_size = block_size
         self.device = torch.device("cpu")
+        self.input_batch = InputBatch(block_size, self.device)
         self.num_kv_blocks = num_blocks
         self.max_model_len = num_blocks * block_size  # what the real executor allows at most
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
@@ -76,6 +79,15 @@ class FakeExecutor(ModelRunner):
     def attach(self, engine: LLMEngine) -> None:
         self.requests = engine.scheduler.requests
         self.allocator = engine.kv_cache_manager.allocator
+        allocate = self.allocator.allocate
+
+        def allocate_and_record() -> int:
+            block_id = allocate()
+            self.allocated_this_step.add(block_id)
+            return block_id
+
+        self.allocator.allocate = allocate_and_record
+        self.begin_step()
 
     def shutdown(self) -> None:
         pass
@@ -86,14 +98,20 @@ class FakeExecutor(ModelRunner):
         slot_mapping = metadata.slot_mapping.tolist()
         starts = metadata.cu_seqlens_q.tolist()
         sampled = {}
+        # Like every layer of the real model: the whole step's writes, then the reads (a
+        # request admitted in this step may read blocks another one writes in it).
+        fingerprints_of = {}
         for i, chunk in enumerate(scheduler_output.chunks):
             seq = self.requests[chunk.request_id]
             # Draft tokens are written like known ones, at the positions after them.
             tokens = seq.token_ids[: chunk.start_position] + chunk.token_ids
-            fingerprints = prefix_fingerprints(tokens)
+            fingerprints_of[i] = fingerprints = prefix_fingerprints(tokens)
             for row in range(starts[i], starts[i + 1]):
                 self._write(seq, input_ids[row], positions[row], slot_mapping[row], tokens,
                             fingerprints)  # fmt: skip
+        for i, chunk in enumerate(scheduler_output.chunks):
+            seq = self.requests[chunk.request_id]
+            fingerprints = fingerprints_of[i]
             self._read_context(seq, metadata.block_tables[i].tolist(), fingerprints, chunk)
             assert chunk.sample == (chunk.context_len == seq.num_tokens + chunk.num_draft_tokens)
             if chunk.sample:
@@ -110,9 +128,18 @@ class FakeExecutor(ModelRunner):
         assert seq.num_computed_tokens <= pos < len(tokens)
         assert block_id == seq.block_table[pos // self.block_size], "wrote outside own block"
         assert slot % self.block_size == pos % self.block_size
-        assert self.allocator.ref_counts[block_id] == 1, "wrote into a shared block"
-        assert self.allocator.block_hashes[block_id] is None, "wrote into a cached full block"
+        # A block is written only while it is being filled: it held no registered contents
+        # when the step began, or the step took it fresh from the pool. (Registered since
+        # the step was scheduled, a sibling admitted in this step may share it already.)
+        assert block_id in self.allocated_this_step or block_id not in self.registered_before, (
+            "wrote into a full block registered before this step"
+        )
         self.slots[slot] = fingerprints[pos]
+
+    def begin_step(self) -> None:
+        """Called before each step: remember the registered blocks, watch allocations."""
+        self.registered_before = {b for b, h in enumerate(self.allocator.block_hashes) if h}
+        self.allocated_this_step = set()
 
     def _read_context(self, seq, block_table, fingerprints, chunk):
         for pos in range(chunk.context_len):
@@ -148,6 +175,7 @@ class EngineUnderTest:
         self.arrival_order: dict[Sequence, int] = {}
         self.finished: list[Sequence] = []
         self.last_hits: list[Sequence] = []  # admitted by the last step with a prefix hit
+        self.children: dict[str, list[Sequence]] = {}  # n > 1: parent id -> its children
 
     def record_decision_before_update(self) -> None:
         """Keep a deep copy of each step's decision as the model saw it, taken just before
@@ -174,15 +202,37 @@ class EngineUnderTest:
         self.arrival_order[seq] = len(self.arrival_order)
         return seq
 
+    def add_parallel(self, request_id, prompt: list[int], n: int, max_tokens: int) -> list:
+        """An ``n > 1`` request: ``n`` children sharing the prompt. (Greedy: the fake model
+        samples on its own, and a chunk holding a torch generator would not compare equal
+        to its deep copy in `decision`.)"""
+        params = SamplingParams(n=n, temperature=0, seed=n, max_tokens=max_tokens)
+        self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        children = [self.requests[f"{i}_{request_id}"] for i in range(n)]
+        assert all(child.shares_prompt for child in children)
+        for child in children:
+            self.arrival_order[child] = len(self.arrival_order)
+        self.children[str(request_id)] = children
+        return children
+
+    def in_flight(self) -> list[str]:
+        """The ids a caller holds: ``n = 1`` requests and parents with a child in flight."""
+        child_ids = {c.request_id for cs in self.children.values() for c in cs}
+        parents = [p for p, cs in self.children.items() if not all(c.is_finished for c in cs)]
+        return sorted(set(self.requests) - child_ids) + sorted(parents)
+
     def abort(self, request_id) -> bool:
-        seq = self.requests.get(str(request_id))
+        children = self.children.get(str(request_id))
+        seqs = [s for s in children if not s.is_finished] if children else []
+        seqs = seqs or [self.requests.get(str(request_id))]
         if not self.engine.abort_request(request_id):
             return False
-        self.finished.append(seq)
+        self.finished += seqs
         return True
 
     def step(self) -> SchedulerOutput:
         waiting = set(self.scheduler.waiting)
+        self.engine.executor.begin_step()
         outputs = self.engine.step()
         scheduled = self.engine.last_step
         if not scheduled.is_empty:  # the record is a value: the step's end left it alone
@@ -191,11 +241,24 @@ class EngineUnderTest:
             s for s in scheduled.scheduled_seqs if s in waiting and s.num_cached_tokens
         ]
         done = [s for s in scheduled.scheduled_seqs if s.is_finished]
-        assert [o.request_id for o in outputs if o.finished] == [s.request_id for s in done]
+        assert [o.request_id for o in outputs if o.finished] == self.reported_ids(done)
         for seq in done:
             check_stop_rules(seq, self.max_model_len)
         self.finished += done
         return scheduled
+
+    def reported_ids(self, done: list[Sequence]) -> list[str]:
+        """Who reports finishing, for the sequences ``done`` this step: an ``n = 1``
+        request itself; a parent once, when its last child finished."""
+        parent_of = {c: p for p, cs in self.children.items() for c in cs}
+        ids = []
+        for seq in done:
+            parent = parent_of.get(seq)
+            if parent is None:
+                ids.append(seq.request_id)
+            elif parent not in ids and all(c.is_finished for c in self.children[parent]):
+                ids.append(parent)
+        return ids
 
     def run_to_completion(self, after_step=lambda scheduled: None) -> int:
         """Step until every request finished; returns the number of steps."""
@@ -239,8 +302,8 @@ def check_pool(engine: EngineUnderTest) -> None:
     assert allocator.num_free_blocks + allocator.num_used_blocks == allocator.num_blocks
     for block_hash, block_id in allocator.cached_block_ids.items():
         assert allocator.block_hashes[block_id] == block_hash
-    if not engine.kv_cache_manager.enable_prefix_caching:
-        assert allocator.num_cached_blocks == 0
+    if not engine.kv_cache_manager.enable_prefix_caching and not engine.children:
+        assert allocator.num_cached_blocks == 0  # only n > 1 siblings hash without it
     for seq in engine.finished:
         assert seq.block_table == [] and seq.is_finished
 
@@ -369,6 +432,27 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.engine.add(self.num_added, prompt, max_tokens, min_tokens, stops)
             self.num_added += 1
 
+    @rule(
+        shared_prefix=st.sampled_from([None, 0, 1]),
+        suffix_len=st.integers(1, 12),
+        n=st.integers(2, 4),
+        max_tokens=st.integers(1, 12),
+    )
+    def add_parallel_request(self, shared_prefix, suffix_len, n, max_tokens):
+        """Parallel sampling: one parent, ``n`` children sharing the prompt's blocks."""
+        prefix = [] if shared_prefix is None else self.shared_prefixes[shared_prefix]
+        prompt = prefix + [self.rng.randrange(VOCAB) for _ in range(suffix_len)]
+        prompt = prompt[: self.engine.max_model_len]
+        if n > self.engine.scheduler.max_num_seqs:  # refused, leaving everything as it was
+            before = (set(self.engine.requests), self.engine.kv_cache_manager.num_free_blocks)
+            with pytest.raises(ValueError, match="max_num_seqs"):
+                self.engine.add_parallel(self.num_added, prompt, n, max_tokens)
+            after = (set(self.engine.requests), self.engine.kv_cache_manager.num_free_blocks)
+            assert after == before
+            return
+        self.engine.add_parallel(self.num_added, prompt, n, max_tokens)
+        self.num_added += 1
+
     @rule(bad=BAD_REQUEST)
     def add_bad_request(self, bad):
         prompt, kwargs = bad
@@ -381,14 +465,20 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.engine.requests)
     @rule(data=st.data())
     def abort_request(self, data):
-        request_id = data.draw(st.sampled_from(sorted(self.engine.requests)))
-        seq = self.engine.requests[request_id]
+        """Abort an ``n = 1`` request or a parent (every child of it still in flight)."""
+        request_id = data.draw(st.sampled_from(self.engine.in_flight()))
+        children = self.engine.children.get(request_id)
+        seqs = [s for s in children if not s.is_finished] if children else []
+        seqs = seqs or [self.engine.requests[request_id]]
         request_id = data.draw(st.sampled_from([request_id, int(request_id)]))
         allocator = self.engine.kv_cache_manager.allocator
-        num_private = sum(allocator.ref_counts[b] == 1 for b in seq.block_table)
+        # Blocks nobody else holds come back at once, shared ones among siblings included.
+        holders = Counter(b for seq in seqs for b in seq.block_table)
+        num_private = sum(allocator.ref_counts[b] == n for b, n in holders.items())
         num_free = allocator.num_free_blocks
         assert self.engine.abort(request_id)
-        assert seq.finish_reason is FinishReason.ABORT and seq.block_table == []
+        for seq in seqs:
+            assert seq.finish_reason is FinishReason.ABORT and seq.block_table == []
         assert allocator.num_free_blocks == num_free + num_private  # returned at once
         assert not self.engine.abort(request_id)  # a second abort is a no-op
 
@@ -417,6 +507,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             REACHED["chunked prefill"] += 1
         for seq in self.engine.last_hits:
             event("prefix hit" + (" after a preemption" if seq.metrics.num_preemptions else ""))
+            if seq.shares_prompt and not seq.metrics.num_preemptions:
+                REACHED["sibling shares the prompt"] += 1
+        if any(seq.shares_prompt for seq in scheduled.preempted):
+            REACHED["child preempted"] += 1
 
     @rule()
     def run_to_completion(self):
@@ -447,6 +541,7 @@ def test_scheduler_machine():
     REACHED.clear()
     run_state_machine_as_test(SchedulerMachine, settings=SchedulerMachine.TestCase.settings)
     assert REACHED["preemption"] > 0 and REACHED["chunked prefill"] > 0, REACHED
+    assert REACHED["sibling shares the prompt"] > 0 and REACHED["child preempted"] > 0, REACHED
 
 
 # --- bugs other small engines shipped, as explicit regression tests ---------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,14 +16,10 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import free_port, wait_until_healthy
+
 GRACE_PERIOD = 1.0  # --shutdown-timeout
 NUM_STREAMS = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_server(model_path, port: int) -> subprocess.Popen:
@@ -34,17 +29,8 @@ def _start_server(model_path, port: int) -> subprocess.Popen:
     command += ["--log-level", "warning"]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        assert process.poll() is None, process.stdout.read().decode()
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.2)
+    wait_until_healthy(f"http://127.0.0.1:{port}", process, timeout_s=90)
+    return process
 
 
 def _stream(url: str, max_tokens: int, events: list, started: threading.Event) -> None:
@@ -64,7 +50,7 @@ def _stream(url: str, max_tokens: int, events: list, started: threading.Event) -
 
 @pytest.mark.slow  # a fresh process imports torch and loads the model: ~15-30 s
 def test_sigterm_with_streams_in_flight(tiny_llama_path):
-    port = _free_port()
+    port = free_port()
     process = _start_server(tiny_llama_path, port)
     url = f"http://127.0.0.1:{port}"
     try:

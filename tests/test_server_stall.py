@@ -16,7 +16,7 @@ import pytest
 
 from minivllm import EngineConfig, LLMEngine
 from minivllm.entrypoints.openai.api_server import BackgroundServer
-from tests.helpers import make_tiny_checkpoint
+from tests.helpers import make_tiny_chat_checkpoint
 
 ENGINE_OPTIONS = dict(num_kv_blocks=256, block_size=4, attention_backend="torch")
 CHAT_TEMPLATE = "{% for message in messages %}<s> {{ message['content'] }} {% endfor %}<s>"
@@ -24,12 +24,7 @@ CHAT_TEMPLATE = "{% for message in messages %}<s> {{ message['content'] }} {% en
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("stall-llama"), "llama")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
+    path = make_tiny_chat_checkpoint(tmp_path_factory.mktemp("stall-llama"), CHAT_TEMPLATE)
     engine = LLMEngine(EngineConfig(model=str(path), **ENGINE_OPTIONS))
     with BackgroundServer(engine, model_name="tiny") as server:
         yield server

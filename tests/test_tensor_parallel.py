@@ -14,7 +14,6 @@ import gc
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.scheduler_output import ScheduledChunk, SchedulerOutput
+from tests.helpers import free_port, wait_until_healthy
 
 # Small pools and budgets, so a short run chunks prompts, preempts and hits the cache.
 OPTIONS = dict(
@@ -157,18 +157,11 @@ def test_smollm2_on_three_ranks_equals_one(smollm2_path):
         split.generate(prompts[:1], params, use_tqdm=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # a server process and its two workers start
 def test_server_with_two_ranks_answers_openai_and_ctrl_c_leaves_no_process(tiny_llama_path):
-    import httpx
     import openai
 
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "minivllm.cli", "serve", "--model", str(tiny_llama_path)]
     command += ["--port", str(port), "-tp", "2", "--attention-backend", "torch"]
     command += ["--num-kv-blocks", "64", "--log-level", "warning"]
@@ -177,16 +170,7 @@ def test_server_with_two_ranks_answers_openai_and_ctrl_c_leaves_no_process(tiny_
     pids: list[int] = []
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, server.stdout.read().decode()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.3)
+        wait_until_healthy(url, server, timeout_s=180)
         pids = [p.pid for p in psutil.Process(server.pid).children(recursive=True)]
         assert len(pids) >= 2  # the two workers (and multiprocessing's helper, if any)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")

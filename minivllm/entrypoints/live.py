@@ -54,7 +54,7 @@ class LiveRequests:
         request.num_prompt_tokens = len(output.prompt_token_ids)
         # A stream's outputs carry only their new tokens; a plain request's one output
         # carries all of them: adding them up counts right either way.
-        request.num_output_tokens += len(completion.token_ids)
+        request.num_output_tokens += sum(len(c.token_ids) for c in output.outputs)  # n > 1
         request.output = (request.output + completion.text)[-80:]
         request.status = completion.finish_reason or "running"
 

@@ -21,6 +21,7 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.executor import resolve_max_model_len
+from minivllm.input_batch import InputBatch
 from minivllm.models.arithmetic import check_tensor_parallel
 from minivllm.models.llama import ModelConfig
 from minivllm.outputs import ModelRunnerOutput
@@ -81,11 +82,15 @@ class SimulatedExecutor:
             )
         self.max_model_len = resolve_max_model_len(config, self.model_config, self.num_kv_blocks)
         self.step_costs: list[StepCost] | None = None  # set to [] to record every step
+        # The real model runner's input preparation runs every step (its tensors go
+        # nowhere), so a simulation costs the CPU what the engine's loop really costs.
+        self.input_batch = InputBatch(config.block_size, self.device)
 
     def shutdown(self) -> None:
         pass  # nothing to release
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.input_batch.prepare(scheduler_output)
         chunks = [
             ChunkShape(len(c.token_ids), c.context_len, c.sample, 1 + c.num_draft_tokens)
             for c in scheduler_output.chunks

@@ -41,6 +41,7 @@ from minivllm.entrypoints.openai.protocol import (
 from minivllm.entrypoints.openai.serving import OpenAIServing
 from minivllm.entrypoints.prometheus import ServerMetrics
 from minivllm.entrypoints.stats_logger import LoggingStatLogger, startup_summary
+from minivllm.utils import freeze_gc_heap
 
 logger = logging.getLogger("minivllm.serve")
 
@@ -289,6 +290,7 @@ def run_serve(args: argparse.Namespace, engine_config) -> int:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s")
     engine = LLMEngine(engine_config)
+    freeze_gc_heap()  # the start-up objects stay out of the collector's passes, as in vLLM
     model_name = args.served_model_name or engine_config.model or DEFAULT_MODEL_NAME
     try:
         serve(

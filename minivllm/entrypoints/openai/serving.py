@@ -3,7 +3,8 @@ or SSE stream (vLLM's ``serving_completion.py`` / ``serving_chat.py``, in one fi
 
 A plain response is one FINAL_ONLY request awaited to the end. A stream is a DELTA request:
 one ``data: {json}`` event per engine output that brings new text, the finish reason in
-the last choice event, then (with ``stream_options.include_usage``) a usage event with
+the last choice event (with ``n > 1``, an event holds the choices, by ``index``, that
+brought something in that step), then (with ``stream_options.include_usage``) a usage event with
 ``choices: []``, then ``data: [DONE]``. An error after the stream started goes in-band as
 ``data: {"error": ...}``, since the 200 status is already sent.
 """
@@ -15,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minivllm.chat import chat_prompt
 from minivllm.engine import Prompt
@@ -67,7 +68,9 @@ class OpenAIServing:
         _refuse_unless(request.echo is False, "echo")
         _refuse_unless(request.suffix in (None, ""), "suffix")
         _refuse_unless(request.logprobs is None, "logprobs")
-        _refuse_unless(request.best_of in (None, 1), "best_of", " (only best_of=1)")
+        _refuse_unless(
+            request.best_of in (None, 1), "best_of", " (only best_of=1: vLLM v1 removed it; use n)"
+        )
         prompt = _single_prompt(request.prompt)
         label = prompt if isinstance(prompt, str) else f"[{len(prompt)} token ids]"
         if isinstance(prompt, str):
@@ -116,20 +119,21 @@ class OpenAIServing:
             messages[-1]["content"],
         )
         if request.stream:
-            return self._chat_events(accepted, request.include_usage_in_stream)
+            return self._chat_events(accepted, request.n, request.include_usage_in_stream)
         final = await accepted.stream.collect()
         self.live.update(final)
-        completion = final.outputs[0]
         return ChatCompletionResponse(
             id=accepted.request_id,
             created=accepted.created,
             model=accepted.model,
             choices=[
                 ChatChoice(
+                    index=completion.index,
                     message=ChatResponseMessage(content=completion.text),
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
+                for completion in final.outputs
             ],
             usage=_usage(final),
         )
@@ -147,19 +151,22 @@ class OpenAIServing:
 
         return build
 
-    async def _chat_events(self, accepted: Accepted, include_usage: bool):
+    async def _chat_events(self, accepted: Accepted, n: int, include_usage: bool):
         def chunk(output: RequestOutput) -> ChatCompletionChunk:
-            completion = output.outputs[0]
-            choice = ChatStreamChoice(
-                delta=DeltaMessage(content=completion.text),
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
-            )
+            choices = [
+                ChatStreamChoice(
+                    index=completion.index,
+                    delta=DeltaMessage(content=completion.text),
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+                for completion in output.outputs
+            ]
             return ChatCompletionChunk(
                 id=accepted.request_id,
                 created=accepted.created,
                 model=accepted.model,
-                choices=[choice],
+                choices=choices,
             )
 
         # The role comes with the first output, not before: a client timing the first
@@ -168,7 +175,10 @@ class OpenAIServing:
             id=accepted.request_id,
             created=accepted.created,
             model=accepted.model,
-            choices=[ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))],
+            choices=[
+                ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                for i in range(n)
+            ],
         )
         async for event in self._events(accepted, chunk, role, include_usage):
             yield event
@@ -237,18 +247,21 @@ class OpenAIServing:
 
     async def _events(self, accepted: Accepted, chunk, first, include_usage: bool):
         """The SSE events of one stream: ``first`` (if any) with the first output, a
-        chunk per output that brings text or the finish, usage, [DONE]."""
+        chunk per output that brings text or a finish (of the choices that do), usage,
+        [DONE]. Usage counts the prompt once and every choice's tokens."""
         num_prompt = num_output = 0
         try:
             async for output in accepted.stream:
                 self.live.update(output)
                 num_prompt = len(output.prompt_token_ids)
-                num_output += len(output.outputs[0].token_ids)
+                num_output += sum(len(c.token_ids) for c in output.outputs)
                 if first is not None:
                     yield _sse(first.model_dump_json())
                     first = None
-                if output.outputs[0].text or output.finished:  # skip empty deltas
-                    yield _sse(chunk(output).model_dump_json())
+                # Skip empty deltas: choices with no text and no finish say nothing.
+                said = [c for c in output.outputs if c.text or c.finish_reason is not None]
+                if said:
+                    yield _sse(chunk(replace(output, outputs=said)).model_dump_json())
             if include_usage:
                 usage = chunk(output).model_copy(
                     update={"choices": [], "usage": UsageInfo.of(num_prompt, num_output)}
@@ -294,7 +307,9 @@ def _text_content(content: str | list[TextContentPart] | None) -> str:
 
 
 def _usage(output: RequestOutput) -> UsageInfo:
-    return UsageInfo.of(len(output.prompt_token_ids), len(output.outputs[0].token_ids))
+    """The prompt once (the ``n`` choices share it), and every choice's tokens."""
+    num_output = sum(len(c.token_ids) for c in output.outputs)
+    return UsageInfo.of(len(output.prompt_token_ids), num_output)
 
 
 def _sse(data: str) -> str:
@@ -304,17 +319,20 @@ def _sse(data: str) -> str:
 def _completion_response(
     accepted: Accepted, output: RequestOutput, usage: UsageInfo | None = None
 ) -> CompletionResponse:
-    """One completion's text so far (a stream chunk) or in full (with ``usage``)."""
-    completion = output.outputs[0]
-    choice = CompletionChoice(
-        text=completion.text,
-        finish_reason=completion.finish_reason,
-        stop_reason=completion.stop_reason,
-    )
+    """The choices' text so far (a stream chunk) or in full (with ``usage``)."""
+    choices = [
+        CompletionChoice(
+            index=completion.index,
+            text=completion.text,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+        for completion in output.outputs
+    ]
     return CompletionResponse(
         id=accepted.request_id,
         created=accepted.created,
         model=accepted.model,
-        choices=[choice],
+        choices=choices,
         usage=usage,
     )

@@ -1,0 +1,38 @@
+"""benchmarks/overhead.py on a few requests: the real engine against the simulated H200
+step, its CPU time split into phases that add up to the whole."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import overhead  # noqa: E402
+
+
+@pytest.mark.parametrize("mode", ["decode", "mixed"])
+def test_phases_add_up_and_every_running_request_decodes(mode):
+    row = overhead.measure(8, mode, tokenizer=None, steps=3, freeze_gc=False)
+    assert set(row.cpu_ms) == set(overhead.PHASES)
+    assert sum(row.cpu_ms.values()) == pytest.approx(row.cpu_total_ms)
+    assert row.cpu_ms["detok"] == 0  # no tokenizer, nothing decoded
+    assert row.gpu_ms > 3.3  # at least the weights' read: 16 GB at 4.8 TB/s
+    assert 0 < row.busy < 1
+    if mode == "decode":  # all 8 in flight decode one token each, every step
+        assert row.tokens_per_step == 8
+    else:  # finished requests are replaced: their prompts are prefilled in later steps
+        assert row.tokens_per_step >= 8
+
+
+def test_the_stand_in_model_samples_deterministically():
+    import torch
+
+    model = overhead.NoComputeModel()
+    ids = torch.tensor([5, 1000, 40000])
+    tokens = model.compute_logits(ids).argmax(-1)
+    assert tokens.tolist() == model.compute_logits(ids).argmax(-1).tolist()
+    assert all(overhead.FIRST_TOKEN <= t < overhead.FAKE_VOCAB for t in tokens.tolist())
