@@ -29,6 +29,7 @@ NOT_TESTED = {5, 33}  # no test reaches the function: a survivor too
 
 SAMPLER = "minivllm.sampler."
 REJECTION_SAMPLER = "minivllm.spec_decode.rejection_sampler."
+DETOKENIZER = "minivllm.detokenizer.x\u01c1Detokenizer\u01c1"
 # name -> why no test can tell the mutant from the original (checked by hand).
 EQUIVALENT: dict[str, str] = {
     "minivllm.kv_cache_manager.x_hash_block_tokens__mutmut_8": (
@@ -77,6 +78,21 @@ EQUIVALENT: dict[str, str] = {
         "`0 < k <= vocab_size`: k = vocab_size keeps the whole vocabulary either way"
     ),
     SAMPLER + "x__apply_top_k__mutmut_38": 'float("-INF") is float("-inf")',
+    SAMPLER + "x__apply_top_p__mutmut_43": 'float("-INF") is float("-inf")',
+    DETOKENIZER + "_find_stop_string__mutmut_4": (
+        "`and` for `or` in the early exit: with no new characters the loop's range is empty, "
+        "with no stop strings there is no length to try; None either way"
+    ),
+    DETOKENIZER + "_find_stop_string__mutmut_18": (
+        "the scan reaches end = len(text) + 1: the slice there is the text's last length - 1 "
+        "characters, a match only if that is a stop string, one the scan already found ending "
+        "at len(text) with the same cut (with include_stop_str_in_output its cut, past the "
+        "text, loses to that one's)"
+    ),
+    DETOKENIZER + "_find_stop_string__mutmut_33": (
+        "`<=` for `<`: no two candidates are equal (each is one (end, stop) pair; a stop's "
+        "rank is its own), so a tie never happens"
+    ),
 }
 ASSERT_MESSAGE = "the text of an assert's message (shown only when an invariant is broken)"
 LAST_AXIS = "the (rejection) sampler's tensors are 2-D [rows, vocab_size]: axis +1 is axis -1"

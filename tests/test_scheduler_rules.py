@@ -189,6 +189,8 @@ def test_preemption_evicts_from_the_newest_until_the_oldest_fits():
     out = step(scheduler)  # both need a fourth block: the pool has 1 free (6 - 3 - 3 + 0)
     assert out.preempted == [b]
     assert [s.request_id for s in scheduler.waiting] == ["b", "c"]
+    # Both wait as preempted (what the stats report), counted one by one as they came.
+    assert scheduler.num_waiting_preempted == 2
 
 
 def test_a_sequence_that_cannot_fit_even_alone_preempts_itself():
