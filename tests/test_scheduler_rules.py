@@ -149,11 +149,13 @@ def test_the_newest_running_sequence_is_preempted_and_readmitted_before_later_ar
     assert b.num_computed_tokens == 0 and b.num_tokens == 9  # its output is kept
     assert b.metrics.num_preemptions == 1 and scheduler.num_preemptions == 1
     assert [s.request_id for s in scheduler.waiting] == ["b", "c"]
+    assert scheduler.num_waiting_preempted == 1  # b, not c (what the stats report)
 
     finish(scheduler, a)
     out = step(scheduler)
     assert scheduled(out) == {"b": 9, "c": 2}  # b recomputes prompt + output, then c
     assert [s.request_id for s in scheduler.running] == ["b", "c"]
+    assert scheduler.num_waiting_preempted == 0
 
 
 def test_no_admission_in_a_step_that_preempted():
@@ -306,8 +308,10 @@ def test_a_preempted_request_can_be_finished_while_it_waits():
     add(scheduler, a, b)
     step(scheduler)
     assert step(scheduler).preempted == [b]
+    assert scheduler.num_waiting_preempted == 1
     finish(scheduler, b)
     assert list(scheduler.waiting) == [] and b.is_finished
+    assert scheduler.num_waiting_preempted == 0
     assert scheduled(step(scheduler)) == {"a": 1}
 
 
