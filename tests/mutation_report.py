@@ -79,6 +79,20 @@ EQUIVALENT: dict[str, str] = {
     ),
     SAMPLER + "x__apply_top_k__mutmut_38": 'float("-INF") is float("-inf")',
     SAMPLER + "x__apply_top_p__mutmut_43": 'float("-INF") is float("-inf")',
+    SAMPLER + "x_sampling_probs__mutmut_16": (
+        "top-k applied when every top_k is 0: k = 0 means the whole vocabulary, keeps all"
+    ),
+    SAMPLER + "x_sampling_probs__mutmut_24": (
+        "top-p applied with p = 1 (as `top_p <= 1`): drops only tokens after a cumulative "
+        "mass of 1.0, i.e. below float32 resolution"
+    ),
+    SAMPLER + "x_sampling_probs__mutmut_25": (
+        "top-p applied with p = 1 (as `top_p < 2`): drops only tokens after a cumulative "
+        "mass of 1.0, i.e. below float32 resolution"
+    ),
+    SAMPLER + "x_sampling_probs__mutmut_36": (
+        "min-p applied with min_p = 0: masks probabilities below 0, none"
+    ),
     # DEVICE below, where the diff cannot show it: a `device` variable, a positional argument.
     **{
         SAMPLER + f"x_apply_penalties__mutmut_{n}": (

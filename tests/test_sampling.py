@@ -120,6 +120,19 @@ def test_filters_at_extremes_always_keep_the_most_likely_token(
             assert (unfiltered[row][kept] == best).all()
 
 
+def test_a_greedy_row_is_the_plain_softmax_and_leaves_its_neighbour_alone():
+    """`sampling_probs` on a batch that mixes a greedy row with a sampled one: the greedy
+    row is a distribution at temperature 1 (its caller takes the argmax), never a division
+    by its temperature 0; the other row is as if alone."""
+    from minivllm.sampler import sampling_probs
+
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0)) * 3
+    greedy, hot = SamplingParams(temperature=0), SamplingParams(temperature=0.5)
+    probs = sampling_probs(logits, [greedy, hot])
+    torch.testing.assert_close(probs[0], logits[0].softmax(-1))
+    torch.testing.assert_close(probs[1], sampling_probs(logits[1:], [hot])[0])
+
+
 def test_sampler_follows_the_distribution():
     """The exponential race draws index i with probability probs[i]."""
     from minivllm.sampler import Sampler
