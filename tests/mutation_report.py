@@ -79,6 +79,13 @@ EQUIVALENT: dict[str, str] = {
     ),
     SAMPLER + "x__apply_top_k__mutmut_38": 'float("-INF") is float("-inf")',
     SAMPLER + "x__apply_top_p__mutmut_43": 'float("-INF") is float("-inf")',
+    **{
+        SAMPLER + f"x\u01c1Sampler\u01c1__call____mutmut_{n}": (
+            "a row without penalties has its token ids gathered too (`or True`): apply_penalties "
+            "leaves a neutral row bit for bit (test_neutral_rows_are_left_bit_for_bit)"
+        )
+        for n in (23, 29)
+    },
     SAMPLER + "x_sampling_probs__mutmut_16": (
         "top-k applied when every top_k is 0: k = 0 means the whole vocabulary, keeps all"
     ),
