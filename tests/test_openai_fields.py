@@ -1,9 +1,9 @@
 """Nothing accepted and ignored, nothing a 5xx: every field of OpenAI's completions and
 chat request schemas (read from the installed ``openai`` client, so the list follows it)
 is either honoured or refused with a 400 naming it, and every JSON type in every field
-(of vLLM's /tokenize and /detokenize too) gets an answer below 500. Plus the inputs a tokenizer cannot take (lone surrogates),
-content parts of the wrong type, stop-string limits, and penalties over HTTP equal to
-`LLM.generate`."""
+(of vLLM's /tokenize and /detokenize too) gets an answer below 500. Plus the inputs a
+tokenizer cannot take (lone surrogates), content parts of the wrong type, stop-string
+limits, and penalties over HTTP equal to `LLM.generate`."""
 
 from __future__ import annotations
 

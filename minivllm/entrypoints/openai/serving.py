@@ -1,5 +1,6 @@
 """The completions and chat routes' logic: request body -> engine request -> response body
-or SSE stream (vLLM's ``serving_completion.py`` / ``serving_chat.py``, in one file).
+or SSE stream (vLLM's ``serving_completion.py`` / ``serving_chat.py``, in one file), and
+the tokenizer routes' (``serving_tokenization.py``): the same prompts' ids, no engine.
 
 A plain response is one FINAL_ONLY request awaited to the end. A stream is a DELTA request:
 one ``data: {json}`` event per engine output that brings new text, the finish reason in
