@@ -79,6 +79,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     SAMPLER + "x__apply_top_k__mutmut_38": 'float("-INF") is float("-inf")',
     SAMPLER + "x__apply_top_p__mutmut_43": 'float("-INF") is float("-inf")',
+    SAMPLER + "x_apply_token_bias__mutmut_18": 'float("-INF") is float("-inf")',
     **{
         SAMPLER + f"x\u01c1Sampler\u01c1__call____mutmut_{n}": (
             "a row without penalties has its token ids gathered too (`or True`): apply_penalties "
