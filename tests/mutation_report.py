@@ -80,6 +80,10 @@ EQUIVALENT: dict[str, str] = {
     SAMPLER + "x__apply_top_k__mutmut_38": 'float("-INF") is float("-inf")',
     SAMPLER + "x__apply_top_p__mutmut_43": 'float("-INF") is float("-inf")',
     SAMPLER + "x_apply_token_bias__mutmut_18": 'float("-INF") is float("-inf")',
+    SAMPLER + "x_apply_token_bias__mutmut_35": (
+        "biases.to(None) for .to(logits.dtype): both are float32 (both callers pass "
+        "logits.float()), and an in-place += casts to the logits' dtype anyway"
+    ),
     **{
         SAMPLER + f"x\u01c1Sampler\u01c1__call____mutmut_{n}": (
             "a row without penalties has its token ids gathered too (`or True`): apply_penalties "
