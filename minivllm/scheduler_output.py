@@ -32,7 +32,8 @@ class ScheduledChunk:
     Speculative decoding: the last ``num_draft_tokens`` rows are draft tokens, guesses not
     yet known to be right; then the last ``1 + num_draft_tokens`` rows are all sampled
     and verified against the drafts (spec_decode/rejection_sampler.py).
-    ``block_table`` is the chunk's own copy of the request's table as of this step.
+    ``block_table`` is the chunk's own copy of the request's table as of this step, and
+    ``block_table_id`` says which table it is (a new id: not the table of an earlier step).
     ``prompt_token_ids`` and ``output_token_ids``: the request's tokens so far, filled
     only when it samples with penalties (the sampler counts them); empty otherwise."""
 
@@ -45,6 +46,7 @@ class ScheduledChunk:
     generator: object | None = None  # torch.Generator of a request that samples randomly
     num_output_tokens: int = 0
     num_draft_tokens: int = 0
+    block_table_id: int = 0
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
 
@@ -93,6 +95,7 @@ class SchedulerOutput:
             sampling_params=seq.sampling_params,
             generator=seq.generator,
             num_output_tokens=seq.num_output_tokens,
+            block_table_id=seq.block_table_id,
         )
         if samples and seq.sampling_params.has_penalties:
             chunk.prompt_token_ids = seq.prompt_token_ids

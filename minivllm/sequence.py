@@ -100,6 +100,10 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.block_table: list[int] = []
+        # Which table this is: the KV cache manager gives a fresh id whenever it starts one
+        # (admission, readmission after preemption) or cuts one short (rejected drafts), so
+        # the runner's persistent batch knows a table it holds is no longer this one.
+        self.block_table_id = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None  # the stop string or token id that fired
