@@ -123,7 +123,13 @@ def calibrate(
     torch.set_num_threads(threads)
     tp = tensor_parallel_size
     check_tensor_parallel(SMOLLM2.num_heads, SMOLLM2.num_kv_heads, tp)  # before any work
-    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, tensor_parallel_size=tp)
+    # Prefix caching off: the static policy refuses it, and random prompts share nothing.
+    config = EngineConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=False,
+        tensor_parallel_size=tp,
+    )
     hardware = measure_this_cpu(tensor_parallel_size=tp)
     hardware = fit_step_model(hardware, config, calibration_workload(num_requests, seed=1), tp)
     workload = calibration_workload(num_requests, seed=0)
