@@ -29,6 +29,7 @@ import numpy as np
 from minivllm.bench.runner import BenchRun, run_engine
 from minivllm.bench.workloads import LengthDistribution, Workload, synthetic
 from minivllm.config import EngineConfig
+from minivllm.engine import LLMEngine
 from minivllm.models.arithmetic import check_tensor_parallel
 from minivllm.simulator.cluster import Deployment, build_replica, simulate
 from minivllm.simulator.cost_model import StepCost
@@ -73,12 +74,17 @@ class PolicyCalibration:
 
 
 def fit_step_model(
-    hardware: Hardware, config: EngineConfig, workload: Workload, tp: int = 1
+    hardware: Hardware,
+    config: EngineConfig,
+    workload: Workload,
+    tp: int = 1,
+    engine: LLMEngine | None = None,
 ) -> Hardware:
     """``hardware`` with the overhead and efficiency that best fit a real run of
     ``workload`` (least squares: measured - all-reduces = overhead + roofline time /
-    efficiency; the all-reduce term is the measured link's, zero at ``tp`` = 1)."""
-    real = run_engine(config, workload, progress=False)
+    efficiency; the all-reduce term is the measured link's, zero at ``tp`` = 1), run
+    on ``engine`` or a fresh one."""
+    real = run_engine(config, workload, progress=False, engine=engine)
     bare = with_overrides(hardware, step_overhead_s=0.0)
     costs = _predicted_step_costs(bare, _sim_config(config, real), workload, real, tp)
     roofline = [max(c.compute_s, c.memory_s) for c in costs]
@@ -123,33 +129,54 @@ def calibrate(
     torch.set_num_threads(threads)
     tp = tensor_parallel_size
     check_tensor_parallel(SMOLLM2.num_heads, SMOLLM2.num_kv_heads, tp)  # before any work
+    fit_workload = calibration_workload(num_requests, seed=1)
+    workload = calibration_workload(num_requests, seed=0)
     # Prefix caching off: the static policy refuses it, and random prompts share nothing.
+    # One max_model_len for both workloads, so that the engine the fit runs on also runs
+    # its policy's comparison (at tp > 1 every engine start spawns and loads tp workers).
     config = EngineConfig(
         max_num_seqs=8,
         max_num_batched_tokens=256,
         enable_prefix_caching=False,
         tensor_parallel_size=tp,
+        max_model_len=max(fit_workload.max_request_len, workload.max_request_len),
     )
     hardware = measure_this_cpu(tensor_parallel_size=tp)
-    hardware = fit_step_model(hardware, config, calibration_workload(num_requests, seed=1), tp)
-    workload = calibration_workload(num_requests, seed=0)
-    results = []
-    for policy in policies:
-        policy_config = _with(
-            config, scheduling_policy=policy, max_model_len=workload.max_request_len
-        )
-        measured = run_engine(policy_config, workload, progress=False)
-        simulated = simulate(
-            _sim_config(policy_config, measured), Deployment(SMOLLM2, hardware, tp), workload
-        )
-        _check_same_decisions(measured.steps, simulated.steps)
-        errors = [
-            abs((p.end_time - p.start_time) - (m.end_time - m.start_time))
-            / (m.end_time - m.start_time)
-            for m, p in zip(measured.steps, simulated.steps)
+    fit_engine = LLMEngine(config)
+    try:
+        hardware = fit_step_model(hardware, config, fit_workload, tp, fit_engine)
+        results = [
+            _compare(
+                _with(config, scheduling_policy=policy),
+                workload,
+                hardware,
+                tp,
+                fit_engine if policy == config.scheduling_policy else None,
+            )
+            for policy in policies
         ]
-        results.append(PolicyCalibration(policy, measured, simulated, errors))
+    finally:
+        fit_engine.close()
     return hardware, results
+
+
+def _compare(
+    config: EngineConfig,
+    workload: Workload,
+    hardware: Hardware,
+    tp: int,
+    engine: LLMEngine | None,
+) -> PolicyCalibration:
+    """Run ``workload`` on the real engine (``engine``, or a fresh one) and in the
+    simulator on ``tp`` devices; each step's error."""
+    measured = run_engine(config, workload, progress=False, engine=engine)
+    simulated = simulate(_sim_config(config, measured), Deployment(SMOLLM2, hardware, tp), workload)
+    _check_same_decisions(measured.steps, simulated.steps)
+    errors = [
+        abs((p.end_time - p.start_time) - (m.end_time - m.start_time)) / (m.end_time - m.start_time)
+        for m, p in zip(measured.steps, simulated.steps)
+    ]
+    return PolicyCalibration(config.scheduling_policy, measured, simulated, errors)
 
 
 def format_report(
