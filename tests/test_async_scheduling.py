@@ -125,3 +125,16 @@ def test_refused_where_not_supported(options, message):
     options.setdefault("async_scheduling", True)
     with pytest.raises(ValueError, match=message):
         EngineConfig(**options)
+
+
+@pytest.mark.slow
+def test_smollm2_outputs_equal(smollm2_path):
+    """The real model, with chunked prefill and preemption pressure at once."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Continuous batching " * 10,
+               "1, 2, 3,", "Write a short poem about the sea."]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    options = dict(num_kv_blocks=20, block_size=8, max_num_batched_tokens=48)
+    _, expected = _run_text(smollm2_path, prompts, params, **options)
+    llm, got = _run_text(smollm2_path, prompts, params, async_scheduling=True, **options)
+    assert got == expected
+    assert llm.llm_engine.scheduler.num_preemptions > 0
