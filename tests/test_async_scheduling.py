@@ -100,11 +100,12 @@ def _run_text(path, prompts, params, **options):
     num_kv_blocks=st.integers(12, 40),
 )
 def test_any_workload_equal(tiny_llama_path, lengths, max_tokens, budget, num_kv_blocks):
+    """Any prompts, budget and pool; a 36-token max_model_len stops some requests there."""
     prompts = [[1] + [(11 * i + 5 * j) % 250 + 3 for j in range(n - 1)] for i, n in
                enumerate(lengths)]  # fmt: skip
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     params = params[: len(prompts)]
-    options = dict(block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=48,
+    options = dict(block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=36,
                    max_num_batched_tokens=budget)  # fmt: skip
     _, expected = _run(tiny_llama_path, prompts, params, **options)
     _, got = _run(tiny_llama_path, prompts, params, async_scheduling=True, **options)
