@@ -4,7 +4,9 @@ processor (vLLM's ``LLMEngine`` + ``EngineCore``, in one object).
 One `step()` = schedule, execute the model once on the flattened batch, advance the KV
 bookkeeping, append the sampled tokens, retire finished requests, report progress.
 Requests can be added or aborted between any two steps; that is all "continuous
-batching" needs from the outside.
+batching" needs from the outside. With ``async_scheduling``, a step's batch runs on a
+worker thread while the next is scheduled, and `step()` reports the batch before it
+(async_scheduler.py).
 """
 
 from __future__ import annotations
