@@ -24,7 +24,7 @@ from minivllm.models.arithmetic import kv_heads_per_rank
 from minivllm.models.llama import CausalLM
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.sampler import Sampler
-from minivllm.scheduler_output import SchedulerOutput
+from minivllm.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from minivllm.spec_decode import RejectionSampler
 
 
@@ -57,6 +57,9 @@ class ModelRunner:
         self.input_batch = InputBatch(block_size, device)  # kept from step to step
         self.sampler = Sampler(eos_token_ids)  # masks EOS before min_tokens
         self.rejection_sampler = RejectionSampler()
+        # Async scheduling: the last step's sampled token per request, the input of a
+        # decode scheduled before that token was known (async_scheduler.py).
+        self.prev_sampled_token_ids: dict[str, int] = {}
 
     def prepare_inputs(
         self, scheduler_output: SchedulerOutput
@@ -70,6 +73,24 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns the tokens sampled for each chunk that samples: one, or
         with draft tokens, the accepted drafts and one more."""
+        self.fill_placeholders(scheduler_output)
+        output = self._execute_model(scheduler_output)
+        self.prev_sampled_token_ids = {r: t[-1] for r, t in output.sampled_token_ids.items()}
+        return output
+
+    def fill_placeholders(self, scheduler_output: SchedulerOutput) -> None:
+        """Async scheduling: a decode scheduled while the step before was running has that
+        step's sample as its input; the runner has it (on a GPU it would stay on the device)."""
+        for chunk in scheduler_output.chunks:
+            if chunk.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
+                continue
+            assert len(chunk.token_ids) == 1, "only a decode's one input can be a placeholder"
+            token_id = self.prev_sampled_token_ids[chunk.request_id]
+            chunk.token_ids = [token_id]
+            if chunk.sampling_params.has_penalties:  # the sampler counts the outputs so far
+                chunk.output_token_ids = chunk.output_token_ids + [token_id]
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, positions, metadata = self.prepare_inputs(scheduler_output)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
 

@@ -32,7 +32,8 @@ from minivllm.spec_decode import NgramProposer, SpecDecodingStats
 class Scheduler:
     """``num_computed_tokens`` advances in `update_from_output`, after the step ran: until
     then the scheduled tokens' keys and values are not in the cache. (vLLM advances it
-    when scheduling, so that it can schedule the next step while this one runs.)"""
+    when scheduling, so that it can schedule the next step while this one runs: that is
+    `AsyncScheduler`, async_scheduler.py.)"""
 
     def __init__(
         self,

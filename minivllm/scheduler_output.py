@@ -19,6 +19,10 @@ from dataclasses import dataclass, field
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
 
+# Async scheduling: the input of a decode whose token the step before is still sampling.
+# The model runner replaces it with that sample before the step runs.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass
 class ScheduledChunk:
@@ -85,16 +89,20 @@ class SchedulerOutput:
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         """Schedule the next ``num_new_tokens`` of ``seq``, from its ``num_computed_tokens``."""
         start = seq.num_computed_tokens
-        samples = start + num_new_tokens == seq.num_tokens  # reaches its last known token
+        token_ids = seq.token_ids[start : start + num_new_tokens]
+        # Async scheduling: past the known ids, tokens still being sampled (placeholders).
+        token_ids += [PLACEHOLDER_TOKEN_ID] * (num_new_tokens - len(token_ids))
+        num_tokens = seq.num_tokens + seq.num_output_placeholders
+        samples = start + num_new_tokens == num_tokens  # reaches its last known token
         chunk = ScheduledChunk(
             seq.request_id,
-            seq.token_ids[start : start + num_new_tokens],
+            token_ids,
             start,
             seq.block_table,
             sample=samples,
             sampling_params=seq.sampling_params,
             generator=seq.generator,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=seq.num_output_tokens + seq.num_output_placeholders,
             block_table_id=seq.block_table_id,
         )
         if samples and seq.sampling_params.has_penalties:

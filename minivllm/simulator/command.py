@@ -25,6 +25,7 @@ NOT_SIMULATED = (
     "device",
     "seed",
     "tensor_parallel_size",  # the deployment's own --tensor-parallel-size below
+    "async_scheduling",  # the simulated clock charges the GPU's time only: nothing to overlap
 )
 TIMELINE_REQUESTS = 60  # the timeline plot draws the first requests only: one row each
 
