@@ -34,7 +34,10 @@ class ScheduledChunk:
     and verified against the drafts (spec_decode/rejection_sampler.py).
     ``block_table`` is the chunk's own copy of the request's table as of this step.
     ``prompt_token_ids`` and ``output_token_ids``: the request's tokens so far, filled
-    only when it samples with penalties (the sampler counts them); empty otherwise."""
+    only when it samples with penalties (the sampler counts them); empty otherwise.
+    ``prompt_logprob_token_ids``: for a request that asked for ``prompt_logprobs``, the
+    prompt tokens this chunk's first rows predict (row ``i``: the token at position
+    ``start_position + i + 1``); empty otherwise."""
 
     request_id: str
     token_ids: list[int]
@@ -47,6 +50,7 @@ class ScheduledChunk:
     num_draft_tokens: int = 0
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    prompt_logprob_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.block_table = list(self.block_table)  # a copy: the request's table moves on
@@ -97,6 +101,9 @@ class SchedulerOutput:
         if samples and seq.sampling_params.has_penalties:
             chunk.prompt_token_ids = seq.prompt_token_ids
             chunk.output_token_ids = seq.output_token_ids
+        if seq.sampling_params.prompt_logprobs is not None:
+            end = min(start + num_new_tokens, seq.num_prompt_tokens - 1)
+            chunk.prompt_logprob_token_ids = seq.prompt_token_ids[start + 1 : end + 1]
         self.chunks.append(chunk)
         self.chunk_of[seq.request_id] = chunk
         self.scheduled_seqs.append(seq)
