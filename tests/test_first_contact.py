@@ -257,6 +257,9 @@ def test_api_key_guards_only_the_openai_routes(engine):
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
         for open_route in ("/health", "/ping", "/metrics", "/", "/live/state", "/version"):
             assert http.get(open_route).status_code == 200, open_route
+        # vLLM's tokenizer routes are outside /v1, so open too (as vLLM leaves them).
+        assert http.post("/tokenize", json={"prompt": "w1 w2"}).json()["count"] == 2
+        assert http.post("/detokenize", json={"tokens": [4]}).json()["prompt"] == "w1"
 
 
 def test_startup_summary_and_stats_line(engine):

@@ -1,9 +1,9 @@
 """Nothing accepted and ignored, nothing a 5xx: every field of OpenAI's completions and
 chat request schemas (read from the installed ``openai`` client, so the list follows it)
 is either honoured or refused with a 400 naming it, and every JSON type in every field
-gets an answer below 500. Plus the inputs a tokenizer cannot take (lone surrogates),
-content parts of the wrong type, stop-string limits, and penalties over HTTP equal to
-`LLM.generate`."""
+(of vLLM's /tokenize and /detokenize too) gets an answer below 500. Plus the inputs a
+tokenizer cannot take (lone surrogates), content parts of the wrong type, stop-string
+limits, and penalties over HTTP equal to `LLM.generate`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,13 @@ import pytest
 
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.entrypoints.openai.api_server import BackgroundServer
-from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from minivllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from minivllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from tests.helpers import make_tiny_chat_checkpoint
 
@@ -35,6 +41,13 @@ COMPLETION = {"model": MODEL_NAME, "prompt": "w1 w2 w3", "max_tokens": 2}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 2}
 ROUTES = {"/v1/completions": (COMPLETION, CompletionRequest),
           "/v1/chat/completions": (CHAT, ChatCompletionRequest)}  # fmt: skip
+# vLLM's tokenizer routes have no OpenAI schema: only their own fields are fuzzed. The
+# chat form of /tokenize is the same route, named apart after a "#".
+TOKENIZER_ROUTES = {
+    "/tokenize": ({"model": MODEL_NAME, "prompt": "w1 w2"}, TokenizeCompletionRequest),
+    "/tokenize#chat": ({"model": MODEL_NAME, "messages": CHAT["messages"]}, TokenizeChatRequest),
+    "/detokenize": ({"model": MODEL_NAME, "tokens": [4, 5]}, DetokenizeRequest),
+}
 
 
 def openai_fields(params_type) -> set[str]:
@@ -168,14 +181,14 @@ JSON_VALUES = [None, True, 0, -1, 2.5, 1e300, 10**30, "", "w1", "\ud800", [], [0
 
 
 @pytest.mark.slow  # some 1,700 requests: ~6 s a route
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", list(ROUTES) + list(TOKENIZER_ROUTES))
 def test_no_json_value_in_any_field_is_a_5xx(server, route):
     """The schema fuzz: every JSON type into every field (OpenAI's and minivllm's), and
     into the fields of a message and of a content part."""
-    base, model = ROUTES[route]
+    base, model = (ROUTES | TOKENIZER_ROUTES)[route]
     bodies = [
         (field, base | {field: value})
-        for field in sorted(OPENAI_FIELDS[route] | set(model.model_fields))
+        for field in sorted(OPENAI_FIELDS.get(route, set()) | set(model.model_fields))
         for value in JSON_VALUES
     ]
     if "messages" in base:
@@ -192,7 +205,8 @@ def test_no_json_value_in_any_field_is_a_5xx(server, route):
     clients = [Client(server.url) for _ in range(8)]
     with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
         batches = [bodies[i :: len(clients)] for i in range(len(clients))]
-        sent = pool.map(lambda c, batch: [(f, b, c.post(route, b)) for f, b in batch],
+        path = route.split("#")[0]
+        sent = pool.map(lambda c, batch: [(f, b, c.post(path, b)) for f, b in batch],
                         clients, batches)  # fmt: skip
         replies = [reply for batch in sent for reply in batch]
     failures = [

@@ -29,6 +29,7 @@ import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from minivllm.engine import LLMEngine, Prompt
 from minivllm.outputs import RequestOutput
@@ -37,6 +38,7 @@ from minivllm.stats import StepStats
 
 logger = logging.getLogger("minivllm.serve")
 
+T = TypeVar("T")
 PromptFactory = Callable[[], Prompt]  # builds the engine prompt on the engine thread
 
 
@@ -105,6 +107,7 @@ class AsyncLLM:
     def __init__(self, engine: LLMEngine, step_history: int = 300) -> None:
         self.engine = engine
         self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.model_config.vocab_size  # for /detokenize
         self.recent_steps: deque[StepRecord] = deque(maxlen=step_history)  # for the live page
         self.step_listeners: list[Callable[[StepRecord, list[RequestOutput]], None]] = []
         self.abort_listeners: list[Callable[[str], None]] = []
@@ -126,8 +129,9 @@ class AsyncLLM:
 
     # --- the event-loop side ---------------------------------------------------------------
 
-    async def run_on_tokenizer_thread(self, function: Callable[[], Prompt]) -> Prompt:
-        """``function()`` (which tokenizes a prompt) on the tokenizer thread."""
+    async def run_on_tokenizer_thread(self, function: Callable[[], T]) -> T:
+        """``function()`` (which tokenizes a prompt, or decodes ids) on the tokenizer
+        thread."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_thread, function)
 

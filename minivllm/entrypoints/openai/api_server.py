@@ -1,10 +1,11 @@
 """``minivllm serve``: an OpenAI-compatible HTTP server on FastAPI + uvicorn.
 
 Routes (vLLM's shapes): POST /v1/completions, POST /v1/chat/completions (JSON or SSE),
-GET /v1/models, /health, /ping, /version, /metrics (Prometheus, vLLM's names), and the live
-page GET / with its data at GET /live/state. Bad input is a 400 (404 for an unknown model)
-with ``{"error": {"message", "type", "param", "code"}}``. With ``--api-key``, as in vLLM,
-only the ``/v1/*`` routes ask for it (``Authorization: Bearer KEY``; else a 401).
+GET /v1/models, POST /tokenize and /detokenize, /health, /ping, /version, /metrics
+(Prometheus, vLLM's names), and the live page GET / with its data at GET /live/state. Bad
+input is a 400 (404 for an unknown model) with ``{"error": {"message", "type", "param",
+"code"}}``. With ``--api-key``, as in vLLM, only the ``/v1/*`` routes ask for it
+(``Authorization: Bearer KEY``; else a 401).
 
     python -m minivllm.entrypoints.openai.api_server --port 8000 [engine options]
 """
@@ -20,6 +21,7 @@ import signal
 import socket
 import threading
 import time
+from typing import Any
 
 import prometheus_client
 import uvicorn
@@ -27,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from minivllm.engine import LLMEngine
 from minivllm.entrypoints.async_llm import AsyncLLM
@@ -35,8 +38,11 @@ from minivllm.entrypoints.openai.errors import error_body, error_from_exception
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
 )
 from minivllm.entrypoints.openai.serving import OpenAIServing
 from minivllm.entrypoints.prometheus import ServerMetrics
@@ -93,6 +99,15 @@ def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None) 
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         return await _respond(raw, serving.create_chat_completion(request))
 
+    # vLLM's tokenizer routes, outside /v1 (so, as in vLLM, --api-key leaves them open).
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any], raw: Request) -> Response:
+        return await _respond(raw, serving.create_tokenize(_tokenize_request(body)))
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest, raw: Request) -> Response:
+        return await _respond(raw, serving.create_detokenize(request))
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         card = ModelCard(id=model_name, root=model_name, max_model_len=async_llm.max_model_len)
@@ -123,6 +138,20 @@ def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None) 
         return live_state(async_llm, live, since)
 
     return app
+
+
+def _tokenize_request(body: dict) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """vLLM's two forms of ``/tokenize``: ``messages`` makes it the chat form. Chosen
+    here, not by a pydantic union, so a bad field is named alone (a union's error names
+    each form it tried). Errors go to the app's validation handler, as a body's do."""
+    if "messages" in body and "prompt" in body:
+        message = "send prompt (text) or messages (chat), not both"
+        raise RequestValidationError([{"type": "value_error", "loc": ("prompt",), "msg": message}])
+    form = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+    try:
+        return form.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from None
 
 
 def _require_api_key(app: FastAPI, api_key: str) -> None:

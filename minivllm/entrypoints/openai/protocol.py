@@ -188,6 +188,31 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_tokens
 
 
+class TokenizeCompletionRequest(OpenAIRequestModel):
+    """``POST /tokenize`` with a text: the ids the completions route would give it."""
+
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True  # as the completions route tokenizes (a BOS, if any)
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(OpenAIRequestModel):
+    """``POST /tokenize`` with messages: the ids the chat route would give them."""
+
+    model: Text | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template writes its own
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIRequestModel):
+    model: Text | None = None
+    tokens: list[int]
+
+
 # --- responses ------------------------------------------------------------------------------
 
 
@@ -307,3 +332,14 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

@@ -1,5 +1,6 @@
 """The completions and chat routes' logic: request body -> engine request -> response body
-or SSE stream (vLLM's ``serving_completion.py`` / ``serving_chat.py``, in one file).
+or SSE stream (vLLM's ``serving_completion.py`` / ``serving_chat.py``, in one file), and
+the tokenizer routes' (``serving_tokenization.py``): the same prompts' ids, no engine.
 
 A plain response is one FINAL_ONLY request awaited to the end. A stream is a DELTA request:
 one ``data: {json}`` event per engine output that brings new text, the finish reason in
@@ -30,14 +31,20 @@ from minivllm.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     SamplingFields,
     TextContentPart,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     UsageInfo,
 )
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -117,8 +124,7 @@ class OpenAIServing:
     # --- chat ----------------------------------------------------------------------------
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
-        messages = [{"role": m.role, "content": _text_content(m.content)} for m in request.messages]
-        self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
+        messages = self._conversation(request.messages)
         max_tokens = request.requested_max_tokens
         accepted = await self._accept(
             "chatcmpl",
@@ -199,7 +205,90 @@ class OpenAIServing:
         async for event in self._events(accepted, chunk, role, include_usage):
             yield event
 
+    # --- /tokenize and /detokenize (vLLM's extra routes, outside /v1) ---------------------
+
+    async def create_tokenize(
+        self, request: TokenizeCompletionRequest | TokenizeChatRequest
+    ) -> TokenizeResponse:
+        """The ids the completions (``prompt``) or chat (``messages``) route would give
+        this input. A prompt longer than ``max_model_len`` tokens is counted, not refused
+        (finding that out is what a client asks for); only a text too long to fit
+        whatever it tokenizes to is refused, as on the other routes."""
+        self.check_model(request.model)
+        if isinstance(request, TokenizeChatRequest):
+            encode = self._chat_ids(request)
+        else:
+            self._check_text_length(len(request.prompt), "prompt")
+            encode = self._text_ids(request)
+        tokenizer = self.async_llm.tokenizer
+
+        def tokenize() -> TokenizeResponse:  # runs on the tokenizer thread
+            ids = encode()
+            strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+            return TokenizeResponse(
+                count=len(ids), max_model_len=self.async_llm.max_model_len, tokens=ids,
+                token_strs=strs,
+            )  # fmt: skip
+
+        return await self.async_llm.run_on_tokenizer_thread(tokenize)
+
+    def _text_ids(self, request: TokenizeCompletionRequest) -> Callable[[], list[int]]:
+        def encode() -> list[int]:
+            tokenizer = self.async_llm.tokenizer
+            return tokenizer(
+                request.prompt, add_special_tokens=request.add_special_tokens
+            ).input_ids
+
+        return encode
+
+    def _chat_ids(self, request: TokenizeChatRequest) -> Callable[[], list[int]]:
+        if request.continue_final_message and request.add_generation_prompt:
+            raise RequestError(
+                "continue_final_message and add_generation_prompt cannot both be true "
+                "(set add_generation_prompt to false to continue the final message)",
+                "continue_final_message",
+            )
+        messages = self._conversation(request.messages)
+
+        def encode() -> list[int]:
+            try:
+                prompt = chat_prompt(
+                    self.async_llm.tokenizer,
+                    messages,
+                    add_generation_prompt=request.add_generation_prompt,
+                    continue_final_message=request.continue_final_message,
+                    add_special_tokens=request.add_special_tokens,
+                )
+            except ValueError as e:  # no chat template, or no final message to continue
+                raise RequestError(str(e), "messages") from e
+            return prompt["prompt_token_ids"]
+
+        return encode
+
+    async def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of ``tokens``, special tokens included (vLLM's ``/detokenize``). Ids
+        outside the vocabulary are refused, by the engine's own rule for prompt ids."""
+        self.check_model(request.model)
+        vocab_size = self.async_llm.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(
+                f"tokens {bad[:5]} are outside the vocabulary [0, {vocab_size})", "tokens"
+            )
+
+        def decode() -> DetokenizeResponse:  # runs on the tokenizer thread
+            return DetokenizeResponse(prompt=self.async_llm.tokenizer.decode(request.tokens))
+
+        return await self.async_llm.run_on_tokenizer_thread(decode)
+
     # --- shared --------------------------------------------------------------------------
+
+    def _conversation(self, messages: list[ChatMessage]) -> list[dict]:
+        """The messages as the chat template takes them, refused before any tokenizing if
+        their text cannot fit."""
+        conversation = [{"role": m.role, "content": _text_content(m.content)} for m in messages]
+        self._check_text_length(sum(len(m["content"]) for m in conversation), "messages")
+        return conversation
 
     async def _accept(
         self,
