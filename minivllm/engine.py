@@ -226,6 +226,7 @@ class LLMEngine:
                 continue
             new_tokens = runner_output.sampled_token_ids.get(seq.request_id, [])
             num_before = seq.num_output_tokens
+            self.output_processor.record_logprobs(seq, runner_output)
             stop = self.output_processor.append_tokens(seq, new_tokens, now)
             if num_before == 0 and seq.num_output_tokens > 0:  # its prefill is complete
                 num_prompt_tokens += seq.num_prompt_tokens

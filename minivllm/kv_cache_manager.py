@@ -88,8 +88,8 @@ class KVCacheManager:
         """The longest run of cached blocks that starts ``seq``'s tokens, for a request
         about to be admitted; it holds ``len(result) * block_size`` tokens. Nothing is
         taken yet: `allocate_slots` does that, if the rest of the request fits."""
-        if not self._caches(seq):
-            return []
+        if not self._caches(seq) or seq.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt row computed (vLLM skips too)
         max_hit_blocks = (seq.num_tokens - 1) // self.block_size  # always compute the last
         blocks: list[int] = []
         parent_hash = b""

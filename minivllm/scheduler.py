@@ -213,10 +213,13 @@ def _may_draft(seq: Sequence) -> bool:
     """Whether drafts can be verified for ``seq`` with the target distribution exact:
     not while ``min_tokens`` still bans EOS and stop tokens (that mask depends on the
     position), and not with ``min_p`` or penalties (which depend on the tokens before
-    each draft; vLLM leaves them out too)."""
+    each draft; vLLM leaves them out too). Nor for a request that asked for ``logprobs``:
+    it decodes one token a step, so each token's logprobs come from the one row that
+    sampled it."""
     params = seq.sampling_params
     return (
         seq.num_output_tokens >= params.min_tokens
         and params.min_p == 0
         and not params.has_penalties
+        and params.logprobs is None
     )

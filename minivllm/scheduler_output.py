@@ -39,7 +39,10 @@ class ScheduledChunk:
     ``block_table`` is the chunk's own copy of the request's table as of this step, and
     ``block_table_id`` says which table it is (a new id: not the table of an earlier step).
     ``prompt_token_ids`` and ``output_token_ids``: the request's tokens so far, filled
-    only when it samples with penalties (the sampler counts them); empty otherwise."""
+    only when it samples with penalties (the sampler counts them); empty otherwise.
+    ``prompt_logprob_token_ids``: for a request that asked for ``prompt_logprobs``, the
+    prompt tokens this chunk's first rows predict (row ``i``: the token at position
+    ``start_position + i + 1``); empty otherwise."""
 
     request_id: str
     token_ids: list[int]
@@ -53,6 +56,7 @@ class ScheduledChunk:
     block_table_id: int = 0
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    prompt_logprob_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.block_table = list(self.block_table)  # a copy: the request's table moves on
@@ -108,6 +112,9 @@ class SchedulerOutput:
         if samples and seq.sampling_params.has_penalties:
             chunk.prompt_token_ids = seq.prompt_token_ids
             chunk.output_token_ids = seq.output_token_ids
+        if seq.sampling_params.prompt_logprobs is not None:
+            end = min(start + num_new_tokens, seq.num_prompt_tokens - 1)
+            chunk.prompt_logprob_token_ids = seq.prompt_token_ids[start + 1 : end + 1]
         self.chunks.append(chunk)
         self.chunk_of[seq.request_id] = chunk
         self.scheduled_seqs.append(seq)
