@@ -5,7 +5,9 @@
 2. SmolLM2-135M greedy parity on the GPU: ``attention_backend="numba-cuda"`` against
    ``"torch"``, token for token in fp32 (fp16 agreement is printed, not required);
 3. a micro-benchmark of the kernel against torch on decode batches (32 and 256
-   sequences, contexts up to 2048), with the memory bandwidth each achieves.
+   sequences, contexts up to 2048), with the memory bandwidth each achieves;
+4. with two or more GPUs, tensor parallelism over NCCL: ``tensor_parallel_size=2`` gives
+   ``tensor_parallel_size=1``'s greedy tokens (skipped, and said so, on one GPU).
 
 Run it from the repository root (step 1 needs ``tests/``). Exits non-zero if a step fails.
 """
@@ -75,6 +77,32 @@ def check_smollm2_parity(
     same = sum(_common_prefix(a, b) for a, b in zip(got, expected))
     total = sum(len(ids) for ids in expected)
     print(f"fp16: {same}/{total} tokens equal before the first divergence (informational)")
+
+
+def check_tensor_parallel_parity(max_tokens: int = 16) -> None:
+    """Step 4: two ranks over NCCL, one per GPU, equal one rank token for token, on the
+    tests' tiny random Llama (its heads split in two; SmolLM2's 9 do not)."""
+    if torch.cuda.device_count() < 2:
+        print(f"skipped: {torch.cuda.device_count()} CUDA device, tensor parallelism needs 2")
+        return
+    import tempfile
+
+    sys.path.insert(0, str(REPO))  # tests/helpers.py builds the checkpoint
+    from minivllm import LLM, SamplingParams
+    from tests.helpers import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(Path(tempfile.mkdtemp()), "llama")
+    prompts = ["w1 w2 w3", "w10 w20 w30 w40 w50", "w7", "w100 w101 w102 w103"]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    results = {}
+    for tp in (1, 2):
+        llm = LLM(str(path), tensor_parallel_size=tp, device="cuda", dtype="float32",
+                  attention_backend="torch", num_kv_blocks=256)  # fmt: skip
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[tp] = [output.outputs[0].token_ids for output in outputs]
+        llm.close()
+    assert results[1] == results[2], f"tp=2 {results[2]} != tp=1 {results[1]}"
+    print(f"tp=2 == tp=1 on {len(prompts)} prompts x {max_tokens} tokens (NCCL, 2 GPUs)")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -177,6 +205,7 @@ def main() -> int:
         ("kernel tests on the GPU", run_kernel_tests),
         ("SmolLM2 greedy parity, numba-cuda vs torch", check_smollm2_parity),
         ("decode micro-benchmark", benchmark_decode),
+        ("tensor parallelism, tp=2 vs tp=1", check_tensor_parallel_parity),
     ]
     failed = []
     for title, step in steps:

@@ -1,7 +1,8 @@
 """The engine's own CPU time per step, at GPU scale: does minivllm keep a GPU fed?
 
     OMP_NUM_THREADS=1 python benchmarks/overhead.py [--running 64,256,512,1024]
-        [--modes decode,mixed] [--detokenize off,on] [--steps 20] [--profile] [--json PATH]
+        [--modes decode,mixed] [--detokenize off,on] [--steps 20] [--async-scheduling]
+        [--profile] [--json PATH]
 
 The real engine runs: scheduler, KV-cache manager, the model runner's input preparation
 (`ModelRunner.prepare_inputs`, on CPU tensors), its sampling bookkeeping, the output
@@ -22,7 +23,12 @@ work on a shared machine does not inflate it) split into
 - detok: the detokenizer's share of that (0 with ``--detokenize off``);
 
 the simulated GPU step, and GPU busy % = GPU / (GPU + CPU): without overlap, the GPU
-idles while the CPU works between two steps.
+idles while the CPU works between two steps. With ``--async-scheduling`` the engine runs
+its async path (`AsyncScheduler`, placeholder tokens filled in by the model runner, each
+step's output processed one step later), and all of a step's CPU work would overlap the
+GPU's previous step, so busy % = GPU / max(GPU, CPU). There is no GPU here to overlap
+with, so the step runs inline, where its phases can be timed; the CPU time is measured,
+the overlap is the formula.
 
 Workloads, ``N`` requests in flight (``max_num_seqs = N``, an 8,192-token budget):
 - decode: ``N`` requests with 256-token prompts, measured once all of them decode;
@@ -41,6 +47,7 @@ import cProfile
 import json
 import pstats
 import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -112,6 +119,16 @@ class OverheadExecutor(SimulatedExecutor):
         return self.model_runner.execute_model(scheduler_output)
 
 
+class InlineWorker:
+    """Stands in for the engine's step worker thread: runs the step at once, in this
+    thread, so that the phase timers see only their own calls."""
+
+    def submit(self, fn, *args) -> Future:
+        future = Future()
+        future.set_result(fn(*args))
+        return future
+
+
 class PhaseTimer:
     """CPU seconds per phase: wraps methods so each call adds its process time."""
 
@@ -151,9 +168,14 @@ class Row:
     cpu_total_ms: float = 0.0
     gpu_ms: float = 0.0
     tokens_per_step: float = 0.0
+    async_scheduling: bool = False
 
     @property
     def busy(self) -> float:
+        """The GPU's share of the time: it waits for all the CPU's work between two steps,
+        or, with async scheduling, only for what the CPU's step takes beyond its own."""
+        if self.async_scheduling:
+            return self.gpu_ms / max(self.gpu_ms, self.cpu_total_ms)
         return self.gpu_ms / (self.gpu_ms + self.cpu_total_ms)
 
 
@@ -184,14 +206,25 @@ class Workload:
 
 
 def measure(
-    running: int, mode: str, tokenizer, steps: int, profiler=None, freeze_gc: bool = True
+    running: int,
+    mode: str,
+    tokenizer,
+    steps: int,
+    profiler=None,
+    freeze_gc: bool = True,
+    async_scheduling: bool = False,
 ) -> Row:
     clock = SimClock()
-    config = EngineConfig(max_num_seqs=running, max_num_batched_tokens=BUDGET)
+    config = EngineConfig(
+        max_num_seqs=running, max_num_batched_tokens=BUDGET, async_scheduling=async_scheduling
+    )
     executor = OverheadExecutor(config, clock)
     # The engine's front end: the model's shape, and the tokenizer only to detokenize.
     model_info = ModelInfo(executor.model_config, tokenizer, eos_token_ids=frozenset())
     engine = LLMEngine(config, executor=executor, clock=clock, model_info=model_info)
+    if async_scheduling:
+        engine.step_worker.shutdown()
+        engine.step_worker = InlineWorker()
     if freeze_gc:
         freeze_gc_heap()
     workload = Workload(engine, mode)
@@ -239,6 +272,7 @@ def measure(
         running, mode, tokenizer is not None, steps,
         cpu_ms={p: 1e3 * s[p] / steps for p in PHASES},
         cpu_total_ms=1e3 * cpu / steps, gpu_ms=1e3 * gpu / steps, tokens_per_step=tokens / steps,
+        async_scheduling=async_scheduling,
     )  # fmt: skip
 
 
@@ -248,7 +282,8 @@ def markdown(rows: list[Row]) -> str:
     for r in rows:
         phases = " | ".join(f"{r.cpu_ms[p]:.2f}" for p in PHASES)
         lines.append(
-            f"| {r.running} | {r.mode} ({r.tokens_per_step:.0f} tok) | "
+            f"| {r.running} | {r.mode} ({r.tokens_per_step:.0f} tok)"
+            f"{', async' if r.async_scheduling else ''} | "
             f"{'on' if r.detokenize else 'off'} | {phases} | {r.cpu_total_ms:.2f} | "
             f"{r.gpu_ms:.2f} | {100 * r.busy:.0f} % |"
         )
@@ -262,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--detokenize", default="off,on")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--tokenizer", default=None, help="default: the SmolLM2 checkpoint's")
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="the engine's async path; busy = GPU / max(GPU, CPU): CPU work overlaps the GPU",
+    )
     p.add_argument("--profile", action="store_true", help="cProfile the measured steps")
     p.add_argument(
         "--no-freeze-gc", action="store_true", help="leave start-up objects to the collector"
@@ -281,7 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes.split(","):
             for running in map(int, args.running.split(",")):
                 tok = tokenizer if detok == "on" else None
-                row = measure(running, mode, tok, args.steps, profiler, not args.no_freeze_gc)
+                row = measure(
+                    running, mode, tok, args.steps, profiler, not args.no_freeze_gc,
+                    args.async_scheduling,
+                )  # fmt: skip
                 rows.append(row)
                 print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     print("\nCPU milliseconds per step (llama-3.1-8b on one H200, simulated):\n")

@@ -144,6 +144,14 @@ class EngineConfig:
             "(default: off)"
         },
     )
+    async_scheduling: bool = field(
+        default=False,
+        metadata={
+            "help": "schedule step N+1 while step N runs, its decodes' input tokens filled in "
+            "from step N's samples (vLLM's async scheduling; continuous policy, no "
+            "speculative decoding, one process)"
+        },
+    )
 
     def __post_init__(self) -> None:
         positive = (
@@ -184,6 +192,7 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.speculative_config is not None and self.scheduling_policy == "static":
             raise ValueError("speculative decoding needs the continuous scheduling policy")
+        self._check_async_scheduling()
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but torch sees no CUDA GPU")
         self._check_devices_for_ranks()
@@ -194,6 +203,26 @@ class EngineConfig:
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "
                 f"available: auto, {', '.join(available_backends())}"
+            )
+
+    def _check_async_scheduling(self) -> None:
+        """Async scheduling schedules a decode before its input token is known, which only
+        the continuous scheduler's bookkeeping allows; draft tokens are proposed from the
+        known tokens (vLLM refused them with it at first too); and the token is filled in
+        by the model runner that sampled it, which tensor-parallel ranks but the first are not."""
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"async_scheduling must be True or False, got {self.async_scheduling!r}"
+            )
+        if not self.async_scheduling:
+            return
+        if self.scheduling_policy != "continuous":
+            raise ValueError("async_scheduling needs the continuous scheduling policy")
+        if self.speculative_config is not None:
+            raise ValueError("async_scheduling does not support speculative decoding yet")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"async_scheduling needs tensor_parallel_size=1, got {self.tensor_parallel_size}"
             )
 
     def _check_devices_for_ranks(self) -> None:

@@ -4,22 +4,26 @@ processor (vLLM's ``LLMEngine`` + ``EngineCore``, in one object).
 One `step()` = schedule, execute the model once on the flattened batch, advance the KV
 bookkeeping, append the sampled tokens, retire finished requests, report progress.
 Requests can be added or aborted between any two steps; that is all "continuous
-batching" needs from the outside.
+batching" needs from the outside. With ``async_scheduling``, a step's batch runs on a
+worker thread while the next is scheduled, and `step()` reports the batch before it
+(async_scheduler.py).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 
+from minivllm.async_scheduler import AsyncScheduler
 from minivllm.config import EngineConfig
 from minivllm.executor import Executor, make_executor
 from minivllm.input_processor import InputProcessor, Prompt
 from minivllm.kv_cache_manager import KVCacheManager
 from minivllm.model_info import ModelInfo, resolve_model_path
 from minivllm.output_processor import OutputProcessor
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import ModelRunnerOutput, RequestOutput
 from minivllm.parallel_sampling import ParentRequest, ParentRequests
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import Scheduler
@@ -77,6 +81,10 @@ class LLMEngine:
         self.last_step: SchedulerOutput | None = None  # for walkthroughs
         self.last_stats: StepStats | None = None  # the last step's snapshot, if it ran
         self.step_log: list[StepStats] | None = None  # set to [] to record every step
+        # Async scheduling: the step running on the worker thread while the next is
+        # scheduled, with the time its `step` call began.
+        self.step_worker = ThreadPoolExecutor(1) if config.async_scheduling else None
+        self.in_flight: tuple[SchedulerOutput, Future, float] | None = None
 
     @classmethod
     def from_engine_args(cls, config: EngineConfig) -> LLMEngine:
@@ -94,7 +102,8 @@ class LLMEngine:
             proposer = NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
             )
-        return Scheduler(
+        scheduler_cls = AsyncScheduler if c.async_scheduling else Scheduler
+        return scheduler_cls(
             self.kv_cache_manager, c.max_num_seqs, c.max_num_batched_tokens, self.clock,
             self.max_model_len, proposer,
         )  # fmt: skip
@@ -104,6 +113,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the executor (its worker processes, if any); the engine is done then."""
+        if self.step_worker is not None:
+            self.step_worker.shutdown()
         self.executor.shutdown()
 
     # --- requests in and out -------------------------------------------------------------
@@ -171,21 +182,51 @@ class LLMEngine:
         return len(self.scheduler.requests)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule one batch, run it, and report every request that made progress."""
+        """Schedule one batch, run it, and report every request that made progress.
+
+        With async scheduling, the batch runs on a worker thread and the step reports the
+        batch before it, which ran while this one was scheduled (async_scheduler.py)."""
+        if self.step_worker is not None:
+            return self._step_async()
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
         self.last_step, self.last_stats = scheduler_output, None
         if scheduler_output.is_empty:
             return []
         runner_output = self.executor.execute_model(scheduler_output)
+        return self._process_output(scheduler_output, runner_output, start)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule step N+1 while step N runs, launch it behind N on the worker thread,
+        then process N's output while N+1 runs."""
+        start = self.clock()
+        scheduler_output = self.scheduler.schedule()
+        self.last_step, self.last_stats = scheduler_output, None
+        previous, self.in_flight = self.in_flight, None
+        if not scheduler_output.is_empty:
+            future = self.step_worker.submit(self.executor.execute_model, scheduler_output)
+            self.in_flight = (scheduler_output, future, start)
+        if previous is None:
+            return []
+        previous_output, future, previous_start = previous
+        return self._process_output(previous_output, future.result(), previous_start)
+
+    def _process_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, start: float
+    ) -> list[RequestOutput]:
+        """Advance the bookkeeping past a step that ran, append its tokens, retire the
+        requests that stopped, and report every request that made progress."""
         now = self.clock()
         self.scheduler.update_from_output(scheduler_output, runner_output)
 
         outputs = []
         num_prompt_tokens = num_generation_tokens = 0
         for seq in scheduler_output.scheduled_seqs:
+            if seq.is_finished:  # async: stopped or aborted after this step was scheduled
+                continue
             new_tokens = runner_output.sampled_token_ids.get(seq.request_id, [])
             num_before = seq.num_output_tokens
+            self.output_processor.record_logprobs(seq, runner_output)
             stop = self.output_processor.append_tokens(seq, new_tokens, now)
             if num_before == 0 and seq.num_output_tokens > 0:  # its prefill is complete
                 num_prompt_tokens += seq.num_prompt_tokens

@@ -10,12 +10,11 @@ computed for all tokens at once with numpy, not per token in Python.
 (docs/tutorial/what-a-gpu-would-do.md, "The engine's own time per step", measures it.)
 
 How a change is seen without the scheduler listing it: the `KVCacheManager` only appends
-blocks to a running request's table, except that after a step with draft tokens it gives
-back the blocks of the rejected ones (speculative decoding). So a request scheduled in two
-steps in a row, with no drafts in the first, has only gained blocks at its end: only those
-are copied. A request that joins, or that had drafts last step, has its row written whole.
-A request absent from a step (finished, preempted, or out of budget) leaves the batch, so
-one that comes back (a preempted one has new blocks) is written whole too.
+blocks to a table it handed out, and gives a table a new ``block_table_id`` whenever it
+does anything else: a new table at admission (a new request, one back after preemption,
+a finished request's id reused) or one cut short after rejected draft tokens. So a row
+whose id matches the chunk's has only gained blocks at its end: only those are copied.
+Any other row is written whole. A request absent from a step leaves the batch.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ class InputBatch:
         # [row, block]: row r holds the block table of request req_ids[r], 0 past its end.
         self.block_tables = np.zeros((max_num_reqs, 16), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # valid entries per row
-        self.had_drafts = np.zeros(max_num_reqs, dtype=bool)  # its last step carried drafts
+        self.table_ids = np.zeros(max_num_reqs, dtype=np.int64)  # whose table the row holds
         self.row_of: dict[str, int] = {}  # request id -> row
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -87,8 +86,8 @@ class InputBatch:
         if row is None:
             row = self.row_of[chunk.request_id] = self._take_row()
         table, num_known = chunk.block_table, self.num_blocks[row]
-        if self.had_drafts[row] or len(table) < num_known:  # drafts' blocks may have gone
-            num_known = 0
+        if self.table_ids[row] != chunk.block_table_id or len(table) < num_known:
+            num_known = 0  # another table, not this one grown
         if num_known == 0:
             self.block_tables[row] = 0
         if len(table) > num_known:
@@ -97,7 +96,7 @@ class InputBatch:
             self.block_tables[row, num_known : len(table)] = table[num_known:]
         self.num_blocks[row] = len(table)
         # A padding chunk (static batching) follows its request's real one: same table.
-        self.had_drafts[row] = chunk.num_draft_tokens > 0
+        self.table_ids[row] = chunk.block_table_id
         return row
 
     def _drop_absent(self, request_ids: set[str]) -> None:
@@ -106,7 +105,6 @@ class InputBatch:
         for request_id in [r for r in self.row_of if r not in request_ids]:
             row = self.row_of.pop(request_id)
             self.num_blocks[row] = 0
-            self.had_drafts[row] = False
             self.free_rows.append(row)
 
     def _take_row(self) -> int:
@@ -123,4 +121,4 @@ class InputBatch:
         block_tables[:old_rows, :old_cols] = self.block_tables
         self.block_tables = block_tables
         self.num_blocks = np.concatenate([self.num_blocks, np.zeros(num_rows - old_rows, np.int64)])
-        self.had_drafts = np.concatenate([self.had_drafts, np.zeros(num_rows - old_rows, bool)])
+        self.table_ids = np.concatenate([self.table_ids, np.zeros(num_rows - old_rows, np.int64)])

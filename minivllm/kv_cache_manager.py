@@ -32,6 +32,7 @@ on at least one token to produce the logits for the next one (nano-vllm #114 cra
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from dataclasses import dataclass
 
@@ -70,6 +71,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_cache_stats = PrefixCacheStats()
+        self._table_ids = itertools.count(1)  # `Sequence.block_table_id`: 0 means none yet
 
     @property
     def num_blocks(self) -> int:
@@ -86,8 +88,8 @@ class KVCacheManager:
         """The longest run of cached blocks that starts ``seq``'s tokens, for a request
         about to be admitted; it holds ``len(result) * block_size`` tokens. Nothing is
         taken yet: `allocate_slots` does that, if the rest of the request fits."""
-        if not self._caches(seq):
-            return []
+        if not self._caches(seq) or seq.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt row computed (vLLM skips too)
         max_hit_blocks = (seq.num_tokens - 1) // self.block_size  # always compute the last
         blocks: list[int] = []
         parent_hash = b""
@@ -126,6 +128,8 @@ class KVCacheManager:
             return False
         for block_id in computed_blocks:
             self.allocator.touch(block_id)
+        if not seq.block_table:  # a table starts: a new request, or one back from preemption
+            seq.block_table_id = next(self._table_ids)
         seq.block_table.extend(computed_blocks)
         seq.block_table.extend(self.allocator.allocate() for _ in range(num_missing))
         if is_admission and self.enable_prefix_caching:
@@ -166,6 +170,7 @@ class KVCacheManager:
             assert self.allocator.block_hashes[block_id] is None, "a draft block was cached"
             self.allocator.free(block_id)
         del seq.block_table[num_needed:]
+        seq.block_table_id = next(self._table_ids)  # not only grown: a new table
 
     def free(self, seq: Sequence) -> None:
         """Return all of ``seq``'s blocks to the pool, newest first: the free queue is LRU,

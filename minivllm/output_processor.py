@@ -2,10 +2,11 @@
 
 Appends each request's new tokens, decodes them, decides whether the request stops (EOS,
 a stop token id or stop string, ``max_tokens``, ``max_model_len``) and builds the
-`RequestOutput` its ``output_kind`` asks for. The engine then tells the scheduler which
-requests finished. This is the one place stops are decided: the engine, the CLI and any
-server see the same text. (The sampler's part: EOS and stop ids are masked before
-``min_tokens``, see sampler.py.)
+`RequestOutput` its ``output_kind`` asks for, with the logprobs the request asked for
+(the model runner computed them; here each token gets its text). The engine then tells
+the scheduler which requests finished. This is the one place stops are decided: the
+engine, the CLI and any server see the same text. (The sampler's part: EOS and stop ids
+are masked before ``min_tokens``, see sampler.py.)
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minivllm.detokenizer import Detokenizer
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import (
+    CompletionOutput,
+    ModelRunnerOutput,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
 from minivllm.sampling_params import RequestOutputKind
 from minivllm.sequence import FinishReason, Sequence
 
@@ -30,12 +37,43 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.detokenizers: dict[str, Detokenizer] = {}
+        # Of the requests that asked: one dict per output token, and per prompt token
+        # (None for the first, which nothing predicts).
+        self.logprobs: dict[str, SampleLogprobs] = {}
+        self.prompt_logprobs: dict[str, PromptLogprobs] = {}
 
     def add_request(self, seq: Sequence) -> None:
         self.detokenizers[seq.request_id] = Detokenizer(self.tokenizer, seq.sampling_params)
+        if seq.sampling_params.logprobs is not None:
+            self.logprobs[seq.request_id] = []
+        if seq.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs[seq.request_id] = [None]
 
     def abort_request(self, request_id: str) -> None:
         self.detokenizers.pop(request_id, None)
+        self.logprobs.pop(request_id, None)
+        self.prompt_logprobs.pop(request_id, None)
+
+    def record_logprobs(self, seq: Sequence, runner_output: ModelRunnerOutput) -> None:
+        """Keep this step's logprobs of ``seq``, if it asked, with each token's text. A
+        prompt recomputed after a preemption gives rows already kept: they are skipped."""
+        request_id = seq.request_id
+        if request_id in runner_output.logprobs:
+            self.logprobs[request_id] += self._decoded(runner_output.logprobs[request_id])
+        if request_id in runner_output.prompt_logprobs:
+            start, rows = runner_output.prompt_logprobs[request_id]
+            kept = self.prompt_logprobs[request_id]
+            assert start <= len(kept), "prompt logprobs arrive in order"
+            kept += self._decoded(rows[len(kept) - start :])
+
+    def _decoded(self, rows: SampleLogprobs) -> SampleLogprobs:
+        """Each token's text on its own, as vLLM shows it (`convert_tokens_to_string`)."""
+        if self.tokenizer is not None:
+            for row in rows:
+                for token_id, logprob in row.items():
+                    token = self.tokenizer.convert_ids_to_tokens(token_id)
+                    logprob.decoded_token = self.tokenizer.convert_tokens_to_string([token])
+        return rows
 
     def append_tokens(self, seq: Sequence, token_ids: list[int], now: float) -> StopDecision | None:
         """Add the step's new tokens one at a time; the first stop ends the request and
@@ -98,12 +136,14 @@ class OutputProcessor:
             text, token_ids = detokenizer.take_delta(seq.token_ids, seq.num_prompt_tokens, finished)
         else:
             text, token_ids = detokenizer.text_to_show(finished), seq.output_token_ids
+        logprobs, prompt_logprobs = self._logprobs_to_report(seq, len(token_ids), finished)
         completion = CompletionOutput(
             index=0,
             text=text,
             token_ids=token_ids,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
+            logprobs=logprobs,
         )
         return RequestOutput(
             request_id=seq.request_id,
@@ -113,4 +153,25 @@ class OutputProcessor:
             finished=finished,
             metrics=seq.metrics,
             num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _logprobs_to_report(
+        self, seq: Sequence, num_tokens: int, finished: bool
+    ) -> tuple[SampleLogprobs | None, PromptLogprobs | None]:
+        """The dicts of the last ``num_tokens`` output tokens (all of them but DELTA's),
+        and the prompt's: DELTA hands those out once, with the first output."""
+        request_id = seq.request_id
+        logprobs = self.logprobs.get(request_id)
+        if logprobs is not None:
+            # A stop may have dropped the step's tokens after it: they have no place.
+            num_output_tokens = seq.num_output_tokens
+            logprobs = logprobs[num_output_tokens - num_tokens : num_output_tokens]
+        delta = seq.sampling_params.output_kind is RequestOutputKind.DELTA
+        if finished or delta:
+            prompt_logprobs = self.prompt_logprobs.pop(request_id, None)
+        else:
+            prompt_logprobs = self.prompt_logprobs.get(request_id)
+        if finished:
+            self.logprobs.pop(request_id, None)
+        return logprobs, prompt_logprobs

@@ -78,6 +78,7 @@ class ParentRequest:
             finished=self.finished,
             metrics=first.metrics,
             num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=first.prompt_logprobs,
         )
 
 

@@ -21,6 +21,8 @@ MAX_STOP_STRING_CHARS = 256
 # vLLM's (and OpenAI's) ranges.
 PENALTY_RANGE = (-2.0, 2.0)  # frequency_penalty, presence_penalty
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# vLLM's default ``max_logprobs`` (OpenAI's chat ``top_logprobs`` allows as many).
+MAX_LOGPROBS = 20
 
 
 class RequestOutputKind(enum.Enum):
@@ -49,7 +51,13 @@ class SamplingParams:
     the output, as transformers' ``RepetitionPenaltyLogitsProcessor``; OpenAI's
     ``frequency_penalty`` subtracts ``penalty * count`` and ``presence_penalty`` subtracts
     ``penalty`` once, for tokens in the output so far. ``allowed_token_ids``: only these
-    may be sampled. Invalid values raise ValueError at construction (token ids are checked
+    may be sampled.
+
+    ``logprobs=k``: each output token comes with its log-probability and the ``k`` most
+    likely tokens' (``0``: the sampled token's only); ``prompt_logprobs=k``: the same for
+    every prompt token but the first. Both are taken from the model's raw logits, before
+    any bias, penalty or temperature (vLLM's default ``logprobs_mode="raw_logprobs"``).
+    Invalid values raise ValueError at construction (token ids are checked
     against the vocabulary when the request is added); integer fields accept numpy and
     torch integers too.
     """
@@ -72,6 +80,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -101,6 +111,9 @@ class SamplingParams:
             self.max_tokens = as_int("max_tokens", self.max_tokens)
         if self.seed is not None:
             self.seed = as_int("seed", self.seed)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, as_int(name, getattr(self, name)))
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -133,6 +146,10 @@ class SamplingParams:
             )
         self._validate_penalties()
         self._validate_stop_strings()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"

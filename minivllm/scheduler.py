@@ -32,7 +32,8 @@ from minivllm.spec_decode import NgramProposer, SpecDecodingStats
 class Scheduler:
     """``num_computed_tokens`` advances in `update_from_output`, after the step ran: until
     then the scheduled tokens' keys and values are not in the cache. (vLLM advances it
-    when scheduling, so that it can schedule the next step while this one runs.)"""
+    when scheduling, so that it can schedule the next step while this one runs: that is
+    `AsyncScheduler`, async_scheduler.py.)"""
 
     def __init__(
         self,
@@ -212,10 +213,13 @@ def _may_draft(seq: Sequence) -> bool:
     """Whether drafts can be verified for ``seq`` with the target distribution exact:
     not while ``min_tokens`` still bans EOS and stop tokens (that mask depends on the
     position), and not with ``min_p`` or penalties (which depend on the tokens before
-    each draft; vLLM leaves them out too)."""
+    each draft; vLLM leaves them out too). Nor for a request that asked for ``logprobs``:
+    it decodes one token a step, so each token's logprobs come from the one row that
+    sampled it."""
     params = seq.sampling_params
     return (
         seq.num_output_tokens >= params.min_tokens
         and params.min_p == 0
         and not params.has_penalties
+        and params.logprobs is None
     )

@@ -19,6 +19,10 @@ from dataclasses import dataclass, field
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
 
+# Async scheduling: the input of a decode whose token the step before is still sampling.
+# The model runner replaces it with that sample before the step runs.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass
 class ScheduledChunk:
@@ -32,9 +36,13 @@ class ScheduledChunk:
     Speculative decoding: the last ``num_draft_tokens`` rows are draft tokens, guesses not
     yet known to be right; then the last ``1 + num_draft_tokens`` rows are all sampled
     and verified against the drafts (spec_decode/rejection_sampler.py).
-    ``block_table`` is the chunk's own copy of the request's table as of this step.
+    ``block_table`` is the chunk's own copy of the request's table as of this step, and
+    ``block_table_id`` says which table it is (a new id: not the table of an earlier step).
     ``prompt_token_ids`` and ``output_token_ids``: the request's tokens so far, filled
-    only when it samples with penalties (the sampler counts them); empty otherwise."""
+    only when it samples with penalties (the sampler counts them); empty otherwise.
+    ``prompt_logprob_token_ids``: for a request that asked for ``prompt_logprobs``, the
+    prompt tokens this chunk's first rows predict (row ``i``: the token at position
+    ``start_position + i + 1``); empty otherwise."""
 
     request_id: str
     token_ids: list[int]
@@ -45,8 +53,10 @@ class ScheduledChunk:
     generator: object | None = None  # torch.Generator of a request that samples randomly
     num_output_tokens: int = 0
     num_draft_tokens: int = 0
+    block_table_id: int = 0
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    prompt_logprob_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.block_table = list(self.block_table)  # a copy: the request's table moves on
@@ -83,20 +93,28 @@ class SchedulerOutput:
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         """Schedule the next ``num_new_tokens`` of ``seq``, from its ``num_computed_tokens``."""
         start = seq.num_computed_tokens
-        samples = start + num_new_tokens == seq.num_tokens  # reaches its last known token
+        token_ids = seq.token_ids[start : start + num_new_tokens]
+        # Async scheduling: past the known ids, tokens still being sampled (placeholders).
+        token_ids += [PLACEHOLDER_TOKEN_ID] * (num_new_tokens - len(token_ids))
+        num_tokens = seq.num_tokens + seq.num_output_placeholders
+        samples = start + num_new_tokens == num_tokens  # reaches its last known token
         chunk = ScheduledChunk(
             seq.request_id,
-            seq.token_ids[start : start + num_new_tokens],
+            token_ids,
             start,
             seq.block_table,
             sample=samples,
             sampling_params=seq.sampling_params,
             generator=seq.generator,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=seq.num_output_tokens + seq.num_output_placeholders,
+            block_table_id=seq.block_table_id,
         )
         if samples and seq.sampling_params.has_penalties:
             chunk.prompt_token_ids = seq.prompt_token_ids
             chunk.output_token_ids = seq.output_token_ids
+        if seq.sampling_params.prompt_logprobs is not None:
+            end = min(start + num_new_tokens, seq.num_prompt_tokens - 1)
+            chunk.prompt_logprob_token_ids = seq.prompt_token_ids[start + 1 : end + 1]
         self.chunks.append(chunk)
         self.chunk_of[seq.request_id] = chunk
         self.scheduled_seqs.append(seq)

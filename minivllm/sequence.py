@@ -99,7 +99,14 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        # Async scheduling: tokens sampled by steps already scheduled but not processed yet
+        # (vLLM's ``num_output_placeholders``); they count as known but have no id yet.
+        self.num_output_placeholders = 0
         self.block_table: list[int] = []
+        # Which table this is: the KV cache manager gives a fresh id whenever it starts one
+        # (admission, readmission after preemption) or cuts one short (rejected drafts), so
+        # the runner's persistent batch knows a table it holds is no longer this one.
+        self.block_table_id = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None  # the stop string or token id that fired
@@ -132,14 +139,15 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose keys/values are not in the cache yet: what a step can schedule."""
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_output_placeholders - self.num_computed_tokens
 
     @property
     def is_prefill(self) -> bool:
         """Still computing tokens it already knows (the prompt, or a recompute), as opposed
         to a decode: computing the one token it sampled last step. (A prompt's last chunk
         may be a single token and is still prefill.)"""
-        return not (self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1)
+        has_sampled = self.num_output_tokens + self.num_output_placeholders > 0
+        return not (has_sampled and self.num_uncomputed_tokens == 1)
 
     @property
     def is_finished(self) -> bool:

@@ -216,6 +216,26 @@ def test_a_duplicate_in_flight_request_id_is_refused(tiny_llama_path):
     engine.add_request("a", PROMPT_B, GREEDY)  # finished ids may be reused
 
 
+def test_a_finished_request_id_used_again_at_once_gets_its_own_blocks(tiny_llama_path):
+    """The runner keeps each request's block table from step to step (the persistent input
+    batch). An id reused in the very next step, with a table as long as the finished
+    request's (5 blocks), must be computed in its own blocks: the old ones are free, and
+    in a pool of 12 the request that joins beside it is given some of them."""
+    longer = {"prompt_token_ids": list(range(60, 80))}  # 20 tokens: 5 blocks of 4
+    alone = make_engine(tiny_llama_path, num_kv_blocks=12)
+    alone.add_request("x", longer, GREEDY)
+    alone.add_request("b", PROMPT_B, GREEDY)
+    expected = {rid: out.outputs[0].token_ids for rid, out in run_to_completion(alone).items()}
+    engine = make_engine(tiny_llama_path, num_kv_blocks=12)
+    engine.add_request("a", PROMPT_A, GREEDY)  # 10 + 8 tokens: 5 blocks at the end
+    run_to_completion(engine)
+    engine.add_request("a", longer, GREEDY)
+    engine.add_request("b", PROMPT_B, GREEDY)
+    finished = run_to_completion(engine)
+    assert finished["a"].outputs[0].token_ids == expected["x"]
+    assert finished["b"].outputs[0].token_ids == expected["b"]
+
+
 def test_a_prompt_larger_than_the_whole_pool_names_both_numbers(tiny_llama_path):
     engine = make_engine(tiny_llama_path, num_kv_blocks=4)  # 16 tokens; max_model_len = 16
     with pytest.raises(ValueError, match=r"17 tokens and needs 5 KV blocks .* num_kv_blocks=4"):

@@ -8,6 +8,8 @@ right before, on and after block boundaries, with block tables that are not in o
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -261,11 +263,15 @@ def test_the_persistent_batch_builds_what_a_fresh_one_would(data):
     """Random steps under the KV-cache manager's rules: requests join, leave, or gain
     blocks at the end of their table; after a step with draft tokens a table may change
     anywhere (rejected drafts' blocks are given back, new ones taken); one that leaves
-    and comes back (preempted) has a new table. The batch that remembers earlier steps
-    builds exactly the tensors of a batch that sees this step alone."""
+    and comes back (preempted, or a finished request's id used again) has a new table,
+    also when no step ran while it was away. Every table the manager starts or cuts gets
+    a new ``block_table_id``. The batch that remembers earlier steps builds exactly the
+    tensors of a batch that sees this step alone."""
     block_size = 2
     kept = InputBatch(block_size, torch.device("cpu"), max_num_reqs=2)  # must grow too
     tables: dict[str, list[int]] = {}
+    table_ids: dict[str, int] = {}
+    next_table_id = itertools.count(1)
     had_drafts: set[str] = set()
     new_table = st.lists(st.integers(0, 99), min_size=1, max_size=40)
     for _ in range(data.draw(st.integers(1, 8))):
@@ -275,8 +281,10 @@ def test_the_persistent_batch_builds_what_a_fresh_one_would(data):
                 tables.pop(request_id, None)
             elif request_id not in tables:  # joins, or comes back
                 tables[request_id] = data.draw(new_table)
+                table_ids[request_id] = next(next_table_id)
             elif request_id in had_drafts and data.draw(st.booleans()):
                 tables[request_id] = data.draw(new_table)  # drafts rejected: anything goes
+                table_ids[request_id] = next(next_table_id)
             elif action == "grow":
                 tables[request_id] += data.draw(st.lists(st.integers(0, 99), max_size=3))
         had_drafts = set()
@@ -287,7 +295,8 @@ def test_the_persistent_batch_builds_what_a_fresh_one_would(data):
             capacity = len(table) * block_size
             start = data.draw(st.integers(0, capacity - 1))
             num_new = data.draw(st.integers(1, capacity - start))
-            chunk = ScheduledChunk(request_id, list(range(num_new)), start, table, sample=False)
+            chunk = ScheduledChunk(request_id, list(range(num_new)), start, table, sample=False,
+                                   block_table_id=table_ids[request_id])  # fmt: skip
             if num_new > 1 and data.draw(st.booleans()):
                 chunk.num_draft_tokens = num_new - 1
                 had_drafts.add(request_id)

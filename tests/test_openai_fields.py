@@ -65,12 +65,13 @@ OPENAI_FIELDS = {
 
 # Declared fields that are refused unless they ask for nothing: a value that asks for
 # something, per route. Every other declared field is implemented (its effect is tested
-# in test_sampling.py, test_penalties.py, test_stop_strings.py, test_server.py) or, for
+# in test_sampling.py, test_penalties.py, test_stop_strings.py, test_server.py,
+# test_server_logprobs.py) or, for
 # ``user``, ``metadata``, ``store``, ``service_tier``, ``safety_identifier`` and the
 # prompt-cache hints, cannot change the tokens.
 REFUSED_VALUES = {
-    "/v1/completions": {"echo": True, "logprobs": 1, "suffix": "w9", "best_of": 2},
-    "/v1/chat/completions": {"logprobs": True, "top_logprobs": 2},
+    "/v1/completions": {"suffix": "w9", "best_of": 2},
+    "/v1/chat/completions": {},
 }
 NO_EFFECT = {"user", "metadata", "store", "service_tier", "safety_identifier",
              "prompt_cache_key", "prompt_cache_retention"}  # fmt: skip

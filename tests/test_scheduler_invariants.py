@@ -541,7 +541,10 @@ def test_scheduler_machine():
     REACHED.clear()
     run_state_machine_as_test(SchedulerMachine, settings=SchedulerMachine.TestCase.settings)
     assert REACHED["preemption"] > 0 and REACHED["chunked prefill"] > 0, REACHED
-    assert REACHED["sibling shares the prompt"] > 0 and REACHED["child preempted"] > 0, REACHED
+    assert REACHED["sibling shares the prompt"] > 0, REACHED
+    # A preempted child is reached by most runs but not all (one full-suite run saw none),
+    # so it is pinned down deterministically instead: test_parallel_sampling.py's
+    # test_preempting_children_never_corrupts_a_siblings_shared_blocks.
 
 
 # --- bugs other small engines shipped, as explicit regression tests ---------------------------

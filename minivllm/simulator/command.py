@@ -25,6 +25,7 @@ NOT_SIMULATED = (
     "device",
     "seed",
     "tensor_parallel_size",  # the deployment's own --tensor-parallel-size below
+    "async_scheduling",  # the simulated clock charges the GPU's time only: nothing to overlap
 )
 TIMELINE_REQUESTS = 60  # the timeline plot draws the first requests only: one row each
 
@@ -158,10 +159,16 @@ def _search(args, configs, deployment, workload, search_replicas) -> int:
 def _calibrate(args) -> int:
     from minivllm.simulator.calibrate import calibrate, format_report
 
-    policies = tuple(args.policy)
-    print("running the real engine on SmolLM2, then the simulator (under a minute, idle)...")
-    hardware, results = calibrate(policies)
-    print(format_report(hardware, results))
+    policies, tp = tuple(args.policy), args.tensor_parallel_size
+    if tp == 1:
+        print("running the real engine on SmolLM2, then the simulator (under a minute, idle)...")
+    else:
+        print(
+            f"timing all-reduces among {tp} processes, then the real engine on SmolLM2 on "
+            f"{tp} ranks, then the simulator (a few minutes)..."
+        )
+    hardware, results = calibrate(policies, tensor_parallel_size=tp)
+    print(format_report(hardware, results, tp))
     return 0
 
 

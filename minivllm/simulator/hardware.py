@@ -76,25 +76,36 @@ def get_hardware(name: str) -> Hardware:
     return HARDWARE[name]
 
 
-def measure_this_cpu(seconds: float = 0.5, step_overhead_s: float = 0.0) -> Hardware:
+def measure_this_cpu(
+    seconds: float = 0.5, step_overhead_s: float = 0.0, tensor_parallel_size: int = 1
+) -> Hardware:
     """This machine, measured just now with torch's current thread count: the fp32
     matmul rate and the rate at which a sum streams a large tensor from memory, taken as
-    achieved rates (efficiencies 1). `calibrate.py` fits the per-step overhead and the
-    efficiency of the model's own steps from a real run."""
-    from minivllm.simulator.hardware_probe import measure_matmul_peak, measure_read_bandwidth
+    achieved rates (efficiencies 1). With ``tensor_parallel_size`` > 1, the link too: a
+    gloo all-reduce among that many processes here, fitted to a latency per hop and a
+    bandwidth. `calibrate.py` fits the per-step overhead and the efficiency of the
+    model's own steps from a real run."""
+    from minivllm.simulator.hardware_probe import (
+        measure_allreduce_link,
+        measure_matmul_peak,
+        measure_read_bandwidth,
+    )
 
     flops = measure_matmul_peak(size=1024, seconds=seconds) * 1e9
+    link_latency_s, link_bandwidth = 0.0, float("inf")  # one device: nothing to send
+    if tensor_parallel_size > 1:
+        link_latency_s, link_bandwidth = measure_allreduce_link(tensor_parallel_size)
     return Hardware(
         "this-cpu",
         peak_flops=flops,
         memory_bandwidth=measure_read_bandwidth(seconds=seconds),
         memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         dtype_bytes=4,
-        link_bandwidth=float("inf"),  # one device: no tensor parallelism here
+        link_bandwidth=link_bandwidth,
         flops_efficiency=1.0,
         bandwidth_efficiency=1.0,
         step_overhead_s=step_overhead_s,
-        link_latency_s=0.0,
+        link_latency_s=link_latency_s,
     )
 
 

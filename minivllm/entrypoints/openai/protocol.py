@@ -14,11 +14,12 @@ does not).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
 class OpenAIBaseModel(BaseModel):
@@ -128,11 +129,21 @@ class CompletionRequest(SamplingFields):
     # A list of several prompts (a batch in one request) is not supported.
     prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
-    # Declared to be refused with a clear message unless they ask for nothing.
+    # ``echo``: the prompt comes back before the completion (with ``logprobs``, its
+    # tokens' too); then ``max_tokens: 0`` asks for the prompt alone, as lm-eval does.
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = None  # the top ones per token: 0 .. MAX_LOGPROBS
+    # Declared to be refused with a clear message unless they ask for nothing.
     suffix: str | None = None
     best_of: int | None = None  # only 1 (= n): one sample, best of one
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        prompt_logprobs = self.logprobs if self.echo else None
+        return replace(
+            super().sampling_params(max_tokens),
+            logprobs=self.logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
 
 
 class TextContentPart(OpenAIRequestModel):
@@ -151,9 +162,8 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     max_tokens: int | None = None  # the deprecated alias
-    # Declared to be refused with a clear message unless they ask for nothing.
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = None  # needs ``logprobs: true``; 0 .. MAX_LOGPROBS
     # Accepted, no effect on the tokens: who asks, and hints for OpenAI's own services.
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -161,6 +171,15 @@ class ChatCompletionRequest(SamplingFields):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return replace(super().sampling_params(max_tokens), logprobs=logprobs)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -215,10 +234,20 @@ def _now() -> int:
     return int(time.time())
 
 
+class CompletionLogProbs(OpenAIBaseModel):
+    """OpenAI's legacy completions logprobs: per token its text, its logprob, the top
+    ones by text, and where its text starts in the choice's text."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class CompletionChoice(OpenAIBaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -237,10 +266,24 @@ class ChatResponseMessage(OpenAIBaseModel):
     content: str
 
 
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's text in UTF-8
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
 class ChatChoice(OpenAIBaseModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -262,7 +305,7 @@ class DeltaMessage(OpenAIBaseModel):
 class ChatStreamChoice(OpenAIBaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 

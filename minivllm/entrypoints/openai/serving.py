@@ -24,9 +24,11 @@ from minivllm.engine import Prompt
 from minivllm.entrypoints.async_llm import AsyncLLM, RequestStream
 from minivllm.entrypoints.live import LiveRequests
 from minivllm.entrypoints.openai.errors import RequestError, error_from_exception
+from minivllm.entrypoints.openai.logprobs import CompletionChoices, chat_logprobs
 from minivllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
+    ChatCompletionLogProbs,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
@@ -45,7 +47,7 @@ from minivllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("minivllm.serve")
 
@@ -72,9 +74,7 @@ class OpenAIServing:
 
     async def create_completion(self, request: CompletionRequest):
         """A `CompletionResponse`, or an SSE event iterator when streaming."""
-        _refuse_unless(request.echo is False, "echo")
         _refuse_unless(request.suffix in (None, ""), "suffix")
-        _refuse_unless(request.logprobs is None, "logprobs")
         _refuse_unless(
             request.best_of in (None, 1), "best_of", " (only best_of=1: vLLM v1 removed it; use n)"
         )
@@ -82,14 +82,23 @@ class OpenAIServing:
         label = prompt if isinstance(prompt, str) else f"[{len(prompt)} token ids]"
         if isinstance(prompt, str):
             self._check_text_length(len(prompt), "prompt")
+        # echo with max_tokens 0 (lm-eval scoring a text): generate one token, show none.
+        prompt_only = request.echo and request.max_tokens == 0
+        max_tokens = 1 if prompt_only else request.max_tokens
         accepted = await self._accept(
-            "cmpl", request, request.max_tokens, self._completion_prompt(prompt, request), label
+            "cmpl", request, max_tokens, self._completion_prompt(prompt, request), label
+        )
+        choices = CompletionChoices(
+            self.async_llm.tokenizer, request.echo, request.logprobs, prompt_only
         )
         if request.stream:
-            return self._completion_events(accepted, request.include_usage_in_stream)
+            return self._completion_events(accepted, choices, request.include_usage_in_stream)
         final = await accepted.stream.collect()
         self.live.update(final)
-        return _completion_response(accepted, final, _usage(final))
+        usage = _usage(final)
+        if prompt_only:
+            usage = UsageInfo.of(usage.prompt_tokens, 0)
+        return _completion_response(accepted, choices(final), usage)
 
     def _completion_prompt(self, prompt: str | list[int], request) -> Callable[[], Prompt]:
         def build() -> Prompt:  # runs on the tokenizer thread
@@ -103,9 +112,11 @@ class OpenAIServing:
 
         return build
 
-    async def _completion_events(self, accepted: Accepted, include_usage: bool):
+    async def _completion_events(
+        self, accepted: Accepted, choices: CompletionChoices, include_usage: bool
+    ):
         def chunk(output: RequestOutput) -> CompletionResponse:
-            return _completion_response(accepted, output)
+            return _completion_response(accepted, choices(output))
 
         async for event in self._events(accepted, chunk, None, include_usage):
             yield event
@@ -113,8 +124,6 @@ class OpenAIServing:
     # --- chat ----------------------------------------------------------------------------
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
-        _refuse_unless(request.logprobs is False, "logprobs")
-        _refuse_unless(request.top_logprobs in (None, 0), "top_logprobs")
         messages = self._conversation(request.messages)
         max_tokens = request.requested_max_tokens
         accepted = await self._accept(
@@ -124,8 +133,11 @@ class OpenAIServing:
             self._chat_prompt(messages, max_tokens),
             messages[-1]["content"],
         )
+        top = request.top_logprobs or 0
         if request.stream:
-            return self._chat_events(accepted, request.n, request.include_usage_in_stream)
+            return self._chat_events(
+                accepted, request.n, request.include_usage_in_stream, request.logprobs, top
+            )
         final = await accepted.stream.collect()
         self.live.update(final)
         return ChatCompletionResponse(
@@ -136,6 +148,7 @@ class OpenAIServing:
                 ChatChoice(
                     index=completion.index,
                     message=ChatResponseMessage(content=completion.text),
+                    logprobs=_chat_logprobs(completion, top),
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
@@ -157,12 +170,15 @@ class OpenAIServing:
 
         return build
 
-    async def _chat_events(self, accepted: Accepted, n: int, include_usage: bool):
+    async def _chat_events(
+        self, accepted: Accepted, n: int, include_usage: bool, logprobs: bool, top: int
+    ):
         def chunk(output: RequestOutput) -> ChatCompletionChunk:
             choices = [
                 ChatStreamChoice(
                     index=completion.index,
                     delta=DeltaMessage(content=completion.text),
+                    logprobs=_chat_logprobs(completion, top) if logprobs else None,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
@@ -347,8 +363,10 @@ class OpenAIServing:
                 if first is not None:
                     yield _sse(first.model_dump_json())
                     first = None
-                # Skip empty deltas: choices with no text and no finish say nothing.
-                said = [c for c in output.outputs if c.text or c.finish_reason is not None]
+                # Skip empty deltas: no text, no logprobs and no finish say nothing.
+                said = [
+                    c for c in output.outputs if c.text or c.logprobs or c.finish_reason is not None
+                ]
                 if said:
                     yield _sse(chunk(replace(output, outputs=said)).model_dump_json())
             if include_usage:
@@ -382,7 +400,7 @@ def _single_prompt(prompt) -> str | list[int]:
 
 def _refuse_unless(supported: bool, field: str, hint: str = "") -> None:
     """For request fields declared only to refuse every value but the one that asks for
-    nothing (``echo: false``, ``logprobs: null``)."""
+    nothing (``suffix: null``, ``best_of: 1``)."""
     if not supported:
         raise RequestError(f"{field} is not supported by minivllm{hint}", field)
 
@@ -405,19 +423,16 @@ def _sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
+def _chat_logprobs(completion: CompletionOutput, top: int) -> ChatCompletionLogProbs | None:
+    if completion.logprobs is None:
+        return None
+    return chat_logprobs(completion.token_ids, completion.logprobs, top)
+
+
 def _completion_response(
-    accepted: Accepted, output: RequestOutput, usage: UsageInfo | None = None
+    accepted: Accepted, choices: list[CompletionChoice], usage: UsageInfo | None = None
 ) -> CompletionResponse:
     """The choices' text so far (a stream chunk) or in full (with ``usage``)."""
-    choices = [
-        CompletionChoice(
-            index=completion.index,
-            text=completion.text,
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-        )
-        for completion in output.outputs
-    ]
     return CompletionResponse(
         id=accepted.request_id,
         created=accepted.created,

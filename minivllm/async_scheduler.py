@@ -1,0 +1,39 @@
+"""The scheduler for async scheduling (vLLM's ``AsyncScheduler``): step N+1 is scheduled
+while step N runs, before step N's sampled tokens are known.
+
+So the bookkeeping runs one step ahead. ``num_computed_tokens`` advances when a chunk is
+*scheduled*, not after it ran, and a chunk that samples leaves its request one
+*placeholder*: a token that exists but has no id yet (``num_output_placeholders``). The
+next step can then schedule that request's decode at once; its input token is the
+placeholder, which the model runner replaces with its own last sample before the step
+runs. `update_from_output` only retires the placeholder: the output processor appends the
+real token as usual. A request that stops on step N's token has been scheduled in step
+N+1 already; the engine throws that step's token away (vLLM does the same).
+"""
+
+from __future__ import annotations
+
+from minivllm.outputs import ModelRunnerOutput
+from minivllm.scheduler import Scheduler
+from minivllm.scheduler_output import SchedulerOutput
+from minivllm.sequence import Sequence, SequenceStatus
+
+
+class AsyncScheduler(Scheduler):
+    def _add_to_step(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        super()._add_to_step(out, seq, num_new)  # caches only blocks of known tokens
+        seq.num_computed_tokens += num_new  # its keys and values will be in the cache
+        if out.chunk_of[seq.request_id].sample:
+            seq.num_output_placeholders += 1
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> None:
+        """Step N's tokens are known: its placeholders are retired (the output processor
+        appends the tokens next). ``num_computed_tokens`` moved when the step was scheduled.
+        A request preempted or finished since keeps nothing of this step."""
+        for seq in scheduler_output.scheduled_seqs:
+            if scheduler_output.chunk_of[seq.request_id].sample:
+                seq.num_output_placeholders -= 1
+            if seq.status is SequenceStatus.RUNNING:
+                self.kv_cache_manager.cache_full_blocks(seq)

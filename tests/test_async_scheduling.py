@@ -1,0 +1,141 @@
+"""Async scheduling (`async_scheduling=True`) changes when the engine's bookkeeping runs,
+never what it computes: every request's tokens, text and finish reason equal the
+synchronous engine's, in every scheduling regime, and the pool ends empty."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minivllm import LLM, SamplingParams
+from minivllm.async_scheduler import AsyncScheduler
+from minivllm.config import EngineConfig
+
+REGIMES = {
+    "roomy": dict(block_size=4, num_kv_blocks=256),
+    "chunked": dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=7),
+    "preemption": dict(block_size=4, num_kv_blocks=24, max_model_len=96,
+                       enable_prefix_caching=False),
+    "preemption_cached": dict(block_size=4, num_kv_blocks=24, max_model_len=96),
+    "few_seqs": dict(block_size=7, num_kv_blocks=256, max_num_seqs=3),
+}  # fmt: skip
+
+
+def _prompts(num: int, shared_prefix: int = 0) -> list[list[int]]:
+    prefix = [(5 * j) % 250 + 3 for j in range(shared_prefix)]
+    lengths = [1 + (13 * i) % 40 for i in range(num)]
+    return [
+        [1] + prefix + [(7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate(lengths)
+    ]
+
+
+def _params(i: int, stop_token: int | None) -> SamplingParams:
+    """A mix: greedy to max_tokens, EOS honoured, a stop token, seeded sampling, penalties."""
+    kind = i % 5
+    if kind == 0:
+        return SamplingParams(temperature=0, max_tokens=3 + i % 11, ignore_eos=True)
+    if kind == 1:
+        return SamplingParams(temperature=0, max_tokens=16)
+    if kind == 2:
+        return SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_token])
+    if kind == 3:
+        return SamplingParams(temperature=1.0, seed=i, max_tokens=10, ignore_eos=True)
+    return SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, repetition_penalty=1.3,
+                          min_tokens=4)  # fmt: skip
+
+
+def _run(path, prompts, params, **options):
+    llm = LLM(model=str(path), **options)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    engine = llm.llm_engine
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
+    result = [
+        [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs
+    ]
+    return llm, result
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_outputs_equal_with_and_without_async_scheduling(tiny_llama_path, regime):
+    prompts = _prompts(14, shared_prefix=9 if regime == "preemption_cached" else 0)
+    _, probe = _run(tiny_llama_path, prompts[:1], SamplingParams(temperature=0, max_tokens=6,
+                    ignore_eos=True), **REGIMES[regime])  # fmt: skip
+    stop_token = probe[0][0][0][3]  # appears in some outputs, so some requests stop on it
+    params = [_params(i, stop_token) for i in range(len(prompts))]
+    _, expected = _run(tiny_llama_path, prompts, params, **REGIMES[regime])
+    llm, got = _run(tiny_llama_path, prompts, params, async_scheduling=True, **REGIMES[regime])
+    assert got == expected
+    assert isinstance(llm.llm_engine.scheduler, AsyncScheduler)
+    if regime.startswith("preemption"):
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_stop_strings_and_parallel_sampling_equal(tiny_llama_path):
+    """Text stops (found by the output processor, one step late under async scheduling)
+    and ``n > 1`` requests whose children share the prompt's blocks."""
+    prompts = ["w5 w6 w7", "w1 w2", "w9 w9 w9 w8"]
+    _, [probe] = _run_text(tiny_llama_path, prompts[:1], SamplingParams(temperature=0,
+                           max_tokens=8, ignore_eos=True))  # fmt: skip
+    stop = probe[0][1].split()[2] if len(probe[0][1].split()) > 2 else probe[0][1][:2]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]),
+        SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=5, n=2, ignore_eos=True),
+    ]
+    _, expected = _run_text(tiny_llama_path, prompts, params, num_kv_blocks=64)
+    _, got = _run_text(tiny_llama_path, prompts, params, num_kv_blocks=64, async_scheduling=True)
+    assert got == expected
+    assert expected[0][0][2] == "stop"  # the stop string did fire
+
+
+def _run_text(path, prompts, params, **options):
+    llm = LLM(model=str(path), **options)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return llm, [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outputs]
+
+
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=8),
+    max_tokens=st.lists(st.integers(1, 12), min_size=8, max_size=8),
+    budget=st.integers(4, 40),
+    num_kv_blocks=st.integers(12, 40),
+)
+def test_any_workload_equal(tiny_llama_path, lengths, max_tokens, budget, num_kv_blocks):
+    """Any prompts, budget and pool; a 36-token max_model_len stops some requests there."""
+    prompts = [[1] + [(11 * i + 5 * j) % 250 + 3 for j in range(n - 1)] for i, n in
+               enumerate(lengths)]  # fmt: skip
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    params = params[: len(prompts)]
+    options = dict(block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=36,
+                   max_num_batched_tokens=budget)  # fmt: skip
+    _, expected = _run(tiny_llama_path, prompts, params, **options)
+    _, got = _run(tiny_llama_path, prompts, params, async_scheduling=True, **options)
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(scheduling_policy="static", enable_prefix_caching=False), "continuous"),
+        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+         "speculative"),
+        (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+        (dict(async_scheduling="yes"), "True or False"),
+    ],
+)  # fmt: skip
+def test_refused_where_not_supported(options, message):
+    options.setdefault("async_scheduling", True)
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)
+
+
+@pytest.mark.slow
+def test_smollm2_outputs_equal(smollm2_path):
+    """The real model, with chunked prefill and preemption pressure at once."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Continuous batching " * 10,
+               "1, 2, 3,", "Write a short poem about the sea."]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    options = dict(num_kv_blocks=20, block_size=8, max_num_batched_tokens=48)
+    _, expected = _run_text(smollm2_path, prompts, params, **options)
+    llm, got = _run_text(smollm2_path, prompts, params, async_scheduling=True, **options)
+    assert got == expected
+    assert llm.llm_engine.scheduler.num_preemptions > 0
