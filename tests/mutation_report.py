@@ -45,9 +45,6 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.static_scheduler.x\u01c1StaticBatchScheduler\u01c1_add_padding__mutmut_8": (
         "a padding chunk with sample=None for False: `sample` is only read as a condition"
     ),
-    "minivllm.model_runner.x\u01c1ModelRunner\u01c1prepare_inputs__mutmut_46": (
-        "torch.repeat_interleave(repeats) is repeat_interleave(arange(len(repeats)), repeats)"
-    ),
     REJECTION_SAMPLER + "x_accept_random__mutmut_10": (
         "`u <= p` for `u < p`: differs only when the uniform draw equals p exactly, which has "
         "probability 0 (2^-24 per draw in float32)"
@@ -59,7 +56,7 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.block_allocator.x\u01c1BlockAllocator\u01c1allocate__mutmut_7": (
         "popitem(last=None) for last=False: None is false too, the oldest free block is taken"
     ),
-    "minivllm.kv_cache_manager.x\u01c1KVCacheManager\u01c1cache_full_blocks__mutmut_20": (
+    "minivllm.kv_cache_manager.x\u01c1KVCacheManager\u01c1cache_full_blocks__mutmut_23": (
         "range(end) for range(first, end): blocks before `first` are registered already, and "
         "registering a block again under the hash it has changes nothing (only costs hashing)"
     ),
@@ -140,7 +137,7 @@ EQUIVALENT: dict[str, str] = {
     SAMPLER + "x__token_counts__mutmut_31": (
         "vocab_size + 2 columns for + 1: one more padding column, dropped with the other"
     ),
-    "minivllm.sequence.x\u01c1Sequence\u01c1__init____mutmut_18": (
+    "minivllm.sequence.x\u01c1Sequence\u01c1__init____mutmut_22": (
         "shares_prompt starts at None for False: only read as a condition (KVCacheManager._caches)"
     ),
     DETOKENIZER + "_find_stop_string__mutmut_4": (
