@@ -33,7 +33,8 @@ import torch
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.executor import UniProcExecutor
-from minivllm.model_info import ModelInfo, resolve_model_path
+from minivllm.model_info import ModelInfo
+from minivllm.models.model_files import resolve_model_path
 from minivllm.multiproc_executor import MultiprocExecutor, StepTiming
 
 

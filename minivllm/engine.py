@@ -21,7 +21,8 @@ from minivllm.config import EngineConfig
 from minivllm.executor import Executor, make_executor
 from minivllm.input_processor import InputProcessor, Prompt
 from minivllm.kv_cache_manager import KVCacheManager
-from minivllm.model_info import ModelInfo, resolve_model_path
+from minivllm.model_info import ModelInfo
+from minivllm.models.model_files import resolve_model_path
 from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import ModelRunnerOutput, RequestOutput
 from minivllm.parallel_sampling import ParentRequest, ParentRequests

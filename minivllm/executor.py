@@ -17,11 +17,11 @@ import torch
 
 from minivllm.attention import AttentionBackend, get_backend
 from minivllm.config import EngineConfig
-from minivllm.model_info import resolve_model_path
 from minivllm.model_runner import ModelRunner
 from minivllm.models import arithmetic
 from minivllm.models.llama import ModelConfig
 from minivllm.models.loader import load_model
+from minivllm.models.model_files import resolve_model_path
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import SchedulerOutput
 

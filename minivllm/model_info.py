@@ -30,14 +30,6 @@ class ModelInfo:
         return cls(model_config, tokenizer, _eos_token_ids(model_path, hf_config, tokenizer))
 
 
-def resolve_model_path(model: str | None) -> str:
-    """``model`` as a local folder: the bundled SmolLM2 for None or its Hub id (converted on
-    first use); another Hub id is refused (see `model_files.resolve_model_path`)."""
-    from minivllm.models.model_files import resolve_model_path as resolve
-
-    return str(resolve(model))
-
-
 def _eos_token_ids(model_path, hf_config, tokenizer) -> frozenset[int]:
     """End-of-sequence ids from the generation config (may be several) and the tokenizer."""
     from transformers import GenerationConfig

@@ -28,10 +28,10 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.executor import checked_backend, num_blocks_for_bytes, resolve_max_model_len
-from minivllm.model_info import resolve_model_path
 from minivllm.models.arithmetic import check_tensor_parallel
 from minivllm.models.llama import ModelConfig
 from minivllm.models.loader import load_model_config
+from minivllm.models.model_files import resolve_model_path
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import SchedulerOutput
 from minivllm.worker import WorkerError, WorkerReply, run_worker

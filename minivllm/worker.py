@@ -23,9 +23,9 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.distributed import init_tensor_parallel
-from minivllm.model_info import resolve_model_path
 from minivllm.model_runner import ModelRunner
 from minivllm.models.loader import load_model
+from minivllm.models.model_files import resolve_model_path
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import SchedulerOutput
 
