@@ -84,7 +84,7 @@ test: $(INSTALLED) $(MODEL_STAMP)
 # Score the server the way vLLM servers are scored: EleutherAI's lm-eval runs the bundled
 # tasks (evals/tasks/) through a real `minivllm serve` (its local-completions client), then
 # through its own transformers backend on the same checkpoint, and prints both score tables
-# and whether they are equal (evals/run.py; offline; about 2 min on one thread).
+# and whether they are equal (evals/run.py; offline; about 1.5 min on one thread).
 EVAL_THREADS ?= 1
 eval: $(INSTALLED) $(MODEL_STAMP)
 	$(PY) evals/run.py --threads $(EVAL_THREADS)

@@ -24,6 +24,7 @@ import contextlib
 import math
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -75,7 +76,7 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(model_path: Path, threads: int) -> Iterator[Server]:
+def serve(model_path: Path, threads: int, device: str = "cpu") -> Iterator[Server]:
     """A real `minivllm serve` process on a free 127.0.0.1 port, for the ``with`` block
     (call `Server.wait_ready` before sending it requests: something else can run while
     it loads). The process is always stopped (SIGTERM, then SIGKILL) on the way out,
@@ -83,8 +84,8 @@ def serve(model_path: Path, threads: int) -> Iterator[Server]:
     port = free_port()
     command = [sys.executable, "-m", "minivllm.cli", "serve", "--model", str(model_path),
                "--served-model-name", SERVED_MODEL_NAME, "--port", str(port),
-               "--threads", str(threads), "--dtype", "float32", "--log-level", "warning",
-               "--disable-log-stats"]  # fmt: skip
+               "--threads", str(threads), "--dtype", "float32", "--device", device,
+               "--log-level", "warning", "--disable-log-stats"]  # fmt: skip
     env = os.environ | OFFLINE | {"PYTHONPATH": os.pathsep.join(sys.path)}
     with tempfile.TemporaryFile() as log:  # a file, not a pipe: a full pipe would block it
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -122,7 +123,8 @@ def run_lm_eval(model: str, model_args: dict, limit: int | None = None) -> dict:
             model=model,
             model_args=model_args,
             tasks=TASKS,
-            task_manager=TaskManager(include_path=str(TASKS_DIR)),
+            # Only ours: indexing lm-eval's thousands of bundled tasks takes ~10 s of CPU.
+            task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
             batch_size=1,
             limit=limit,
             log_samples=True,
@@ -142,8 +144,8 @@ def server_model_args(url: str, model_path: Path, num_concurrent: int) -> dict:
     }
 
 
-def hf_model_args(model_path: Path) -> dict:
-    return {"pretrained": str(model_path), "dtype": "float32", "device": "cpu"}
+def hf_model_args(model_path: Path, device: str = "cpu") -> dict:
+    return {"pretrained": str(model_path), "dtype": "float32", "device": device}
 
 
 # --- comparing two runs ------------------------------------------------------------------
@@ -220,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="checkpoint folder (default: the bundled one)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, each backend")
-    parser.add_argument("--num-concurrent", type=int, default=4, help="requests in flight")
+    parser.add_argument("--num-concurrent", type=int, default=4,
+                        help="requests lm-eval keeps in flight")  # fmt: skip
+    parser.add_argument("--device", default="cpu",
+                        help="where both backends run: cpu or cuda (float32 both)")  # fmt: skip
     parser.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
     args = parser.parse_args(argv)
 
@@ -229,10 +234,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from minivllm.models.model_files import resolve_model_path
 
+    # A SIGTERM (make interrupted, a CI timeout) unwinds like Ctrl-C: `serve` stops the server.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     torch.set_num_threads(args.threads)
     model_path = resolve_model_path(args.model)
     start, start_cpu = time.perf_counter(), cpu_seconds()
-    with serve(model_path, args.threads) as process:
+    with serve(model_path, args.threads, args.device) as process:
         process.wait_ready()
         up = time.perf_counter()
         print(f"== minivllm serve at {process.url} (up in {up - start:.0f} s): "
@@ -244,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     print(make_table(server))
     print(f"== lm-eval hf (transformers, float32) on {model_path}")
     hf_start, hf_start_cpu = time.perf_counter(), cpu_seconds()
-    hf = run_lm_eval("hf", hf_model_args(model_path), args.limit)
+    hf = run_lm_eval("hf", hf_model_args(model_path, args.device), args.limit)
     hf_s, hf_cpu = time.perf_counter() - hf_start, cpu_seconds() - hf_start_cpu
     print(make_table(hf))
     comparison = Comparison.of(server, hf)
