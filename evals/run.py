@@ -255,9 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     hf_s, hf_cpu = time.perf_counter() - hf_start, cpu_seconds() - hf_start_cpu
     print(make_table(hf))
     comparison = Comparison.of(server, hf)
-    print(f"time: local-completions {server_s:.0f} s after {up - start:.0f} s of server "
-          f"start-up ({server_cpu:.0f} s CPU, server and client, start-up included); hf "
-          f"{hf_s:.0f} s ({hf_cpu:.0f} s CPU); {time.perf_counter() - start:.0f} s in all")
+    print(
+        f"time: local-completions {server_s:.0f} s after {up - start:.0f} s of server "
+        f"start-up ({server_cpu:.0f} s CPU, server and client, start-up included); hf "
+        f"{hf_s:.0f} s ({hf_cpu:.0f} s CPU); {time.perf_counter() - start:.0f} s in all"
+    )
     print(comparison.summary())
     return 0 if comparison.scores_equal and comparison.generations_equal else 1
 

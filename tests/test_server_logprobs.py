@@ -117,14 +117,12 @@ def test_streamed_echo_of_the_prompt_alone_counts_no_completion_tokens(client):
 
 def prompt_rows(rows) -> list:
     """The engine's prompt logprobs as the completions route sends them (vLLM's shape)."""
-    return [None] + [
-        {
-            str(token_id): {"logprob": pytest.approx(p.logprob, abs=1e-4), "rank": p.rank,
-                            "decoded_token": p.decoded_token}  # fmt: skip
-            for token_id, p in row.items()
-        }
-        for row in rows[1:]
-    ]
+
+    def entry(p):
+        logprob = pytest.approx(p.logprob, abs=1e-4)
+        return {"logprob": logprob, "rank": p.rank, "decoded_token": p.decoded_token}
+
+    return [None] + [{str(token_id): entry(p) for token_id, p in row.items()} for row in rows[1:]]
 
 
 @pytest.mark.parametrize("echo", [False, True])
@@ -214,8 +212,11 @@ def test_chat_logprobs_and_top_logprobs(client, llm):
         ("/v1/completions", {"prompt": PROMPT, "logprobs": -1}, "logprobs"),
         ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 21}, "prompt_logprobs"),
         ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": -1}, "prompt_logprobs"),
-        ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True},
-         "prompt_logprobs"),
+        (
+            "/v1/completions",
+            {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True},
+            "prompt_logprobs",
+        ),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
