@@ -12,7 +12,7 @@ DEMO_INSTALLED := $(VENV)/.installed-demo
 MODEL_STAMP := $(VENV)/.model
 
 .PHONY: install model demo demo-hf test test-fast lint bench clean gpu-check notebooks docs \
-	docs-build mutation notebooks-pin
+	docs-build mutation notebooks-pin eval
 
 install: $(INSTALLED)
 
@@ -30,7 +30,7 @@ $(DEMO_INSTALLED): pyproject.toml
 	touch $@
 
 $(INSTALLED): $(DEMO_INSTALLED)
-	$(PY) -m pip install -q -e ".[demo,kernels,ptx,bench,serve,test,docs,mutation]"
+	$(PY) -m pip install -q -e ".[demo,kernels,ptx,bench,serve,test,docs,mutation,eval]"
 	touch $@
 
 # Convert the bundled GGUF once into a cached safetensors checkpoint (~20 s, then instant).
@@ -80,6 +80,14 @@ test: $(INSTALLED) $(MODEL_STAMP)
 	$(PY) -m pytest -q --ignore=tests/test_docs_site.py
 	$(MAKE) docs-build
 	$(PY) -m pytest -q tests/test_docs_site.py
+
+# Score the server the way vLLM servers are scored: EleutherAI's lm-eval runs the bundled
+# tasks (evals/tasks/) through a real `minivllm serve` (its local-completions client), then
+# through its own transformers backend on the same checkpoint, and prints both score tables
+# and whether they are equal (evals/run.py; offline; about 1.5 min on one thread).
+EVAL_THREADS ?= 1
+eval: $(INSTALLED) $(MODEL_STAMP)
+	$(PY) evals/run.py --threads $(EVAL_THREADS)
 
 # The tutorial notebooks: notebooks/NN_*.py (jupytext) are the source; this runs each one
 # top to bottom (one thread) into build/notebooks/, to prove it still runs. The site shows

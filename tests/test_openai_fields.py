@@ -169,8 +169,11 @@ def test_every_openai_field_is_honoured_or_refused(http, route):
 @pytest.mark.parametrize("route", ROUTES)
 def test_vllm_fields_it_does_not_implement_are_refused(http, route):
     base, _ = ROUTES[route]
-    for field, value in [("use_beam_search", True), ("guided_json", {}), ("bad_words", ["w1"]),
-                         ("truncate_prompt_tokens", 3), ("prompt_logprobs", 1)]:  # fmt: skip
+    refused = [("use_beam_search", True), ("guided_json", {}), ("bad_words", ["w1"]),
+               ("truncate_prompt_tokens", 3)]  # fmt: skip
+    if route.endswith("chat/completions"):  # completions has it (test_server_logprobs.py)
+        refused.append(("prompt_logprobs", 1))
+    for field, value in refused:
         assert_refused(http.post(route, base | {field: value}), field, named=True)
     reply = http.post(route, base | {"stream_options": {"continuous_usage_stats": True}})
     assert_refused(reply, "stream_options")

@@ -1,7 +1,9 @@
 """Logprobs over HTTP, with the official openai client against a real server: the
 completions route's ``{tokens, token_logprobs, top_logprobs, text_offset}`` (also with
 ``echo``, as lm-eval scores a text: ``max_tokens`` 0 or 1), chat's ``content`` list,
-streamed and not; both equal what `LLM.generate` returns for the same request."""
+streamed and not, and vLLM's ``prompt_logprobs`` field; all equal what `LLM.generate`
+returns for the same request. Out-of-range counts (-1, vLLM's "whole vocabulary", too)
+are a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -97,6 +99,51 @@ def test_echo_returns_the_prompt_with_its_logprobs(client, llm, max_tokens):
     assert reply.usage.completion_tokens == max_tokens
 
 
+def test_streamed_echo_of_the_prompt_alone_counts_no_completion_tokens(client):
+    """``echo`` with ``max_tokens: 0`` generates one token to drop it: usage says 0, as the
+    plain reply does."""
+    body = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=0, temperature=0, echo=True,
+                logprobs=1)  # fmt: skip
+    plain = client.completions.create(**body)
+    chunks = list(
+        client.completions.create(**body, stream=True, stream_options={"include_usage": True})
+    )
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == PROMPT == plain.choices[0].text
+    assert [c.usage for c in chunks if c.usage] == [plain.usage]
+    assert plain.usage.completion_tokens == 0
+    assert plain.usage.prompt_tokens == len(plain.choices[0].logprobs.tokens) > 1
+
+
+def prompt_rows(rows) -> list:
+    """The engine's prompt logprobs as the completions route sends them (vLLM's shape)."""
+
+    def entry(p):
+        logprob = pytest.approx(p.logprob, abs=1e-4)
+        return {"logprob": logprob, "rank": p.rank, "decoded_token": p.decoded_token}
+
+    return [None] + [{str(token_id): entry(p) for token_id, p in row.items()} for row in rows[1:]]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_prompt_logprobs_equal_the_engine_s(client, llm, echo):
+    """vLLM's extra field: each prompt token's logprob and the top ones, by token id."""
+    out = offline(llm, max_tokens=2, prompt_logprobs=3)
+    reply = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0, echo=echo,
+        extra_body={"prompt_logprobs": 3},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.prompt_logprobs == prompt_rows(out.prompt_logprobs)
+    assert len(choice.prompt_logprobs) == len(out.prompt_token_ids) > 1
+    for row, token_id in zip(choice.prompt_logprobs[1:], out.prompt_token_ids[1:]):
+        assert str(token_id) in row and {e["rank"] for e in row.values()} >= {1, 2, 3}
+    assert choice.text == (PROMPT if echo else "") + out.outputs[0].text
+    assert choice.logprobs is None  # `logprobs` not asked for
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+    assert plain.choices[0].prompt_logprobs is None
+
+
 def test_streamed_completion_logprobs_equal_the_whole_reply(client):
     body = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
                 echo=True)  # fmt: skip
@@ -163,6 +210,14 @@ def test_chat_logprobs_and_top_logprobs(client, llm):
     [
         ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
         ("/v1/completions", {"prompt": PROMPT, "logprobs": -1}, "logprobs"),
+        ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 21}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": -1}, "prompt_logprobs"),
+        (
+            "/v1/completions",
+            {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True},
+            "prompt_logprobs",
+        ),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ],
@@ -175,3 +230,5 @@ def test_out_of_range_logprobs_get_a_400_naming_the_field(server, route, fields,
     assert reply.status_code == 400
     error = reply.json()["error"]
     assert error["param"] == param and param in error["message"]
+    if -1 in fields.values():  # vLLM's "the whole vocabulary": refused, saying so
+        assert "vocabulary" in error["message"]

@@ -11,6 +11,7 @@ from minivllm.entrypoints.openai.protocol import (
     ChatCompletionLogProbsContent,
     CompletionChoice,
     CompletionLogProbs,
+    PromptLogprob,
 )
 from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
@@ -46,6 +47,21 @@ def completion_logprobs(
     return result
 
 
+def prompt_logprobs_json(rows: PromptLogprobs) -> list[dict[int, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs`` field: the engine's rows as they are, by token id."""
+    return [
+        None
+        if row is None
+        else {
+            token_id: PromptLogprob(
+                logprob=_json_logprob(p), rank=p.rank, decoded_token=p.decoded_token
+            )
+            for token_id, p in row.items()
+        }
+        for row in rows
+    ]
+
+
 def chat_logprobs(
     token_ids: list[int], rows: list[dict[int, Logprob]], num_top: int
 ) -> ChatCompletionLogProbs:
@@ -73,13 +89,22 @@ class CompletionChoices:
     """A completion's choices from engine outputs, a stream's chunk after chunk: with
     ``echo`` the prompt (and its logprobs, with ``logprobs``) comes before each choice's
     first text; each choice's ``text_offset`` goes on from its tokens sent before.
-    ``prompt_only`` (``echo`` with ``max_tokens: 0``): the one generated token is dropped."""
+    ``prompt_only`` (``echo`` with ``max_tokens: 0``): the one generated token is dropped.
+    ``send_prompt_logprobs`` (the request's ``prompt_logprobs``): each choice carries them."""
 
-    def __init__(self, tokenizer, echo: bool, logprobs: int | None, prompt_only: bool) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        echo: bool,
+        logprobs: int | None,
+        prompt_only: bool,
+        send_prompt_logprobs: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         self.echo = echo
         self.logprobs = logprobs
         self.prompt_only = prompt_only
+        self.send_prompt_logprobs = send_prompt_logprobs
         # Choice index -> where its next token's text starts: the tokens' texts so far, end
         # to end (the choice's text too, for a byte-level tokenizer; vLLM's offsets).
         self.text_offset: dict[int, int] = {}
@@ -105,12 +130,16 @@ class CompletionChoices:
             first_text = self._token_text(token_ids[0]) if token_ids else ""
             logprobs = completion_logprobs(token_ids, rows, first_text, offset)
             self.text_offset[completion.index] += sum(map(len, logprobs.tokens))
+        prompt_logprobs = None
+        if self.send_prompt_logprobs and self.prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs_json(self.prompt_logprobs)
         return CompletionChoice(
             index=completion.index,
             text=text,
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _prompt_text(self, output: RequestOutput) -> str:

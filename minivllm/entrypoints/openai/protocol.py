@@ -124,6 +124,17 @@ class SamplingFields(OpenAIRequestModel):
         )
 
 
+def check_num_logprobs(name: str, value: int | None) -> None:
+    """How many top logprobs a request may ask for: 0 .. MAX_LOGPROBS (vLLM's default
+    ``max_logprobs``). vLLM reads -1 as "the whole vocabulary" where its server was
+    started with ``--max-logprobs -1``; with the default it refuses that too, so -1 gets
+    a 400 here, saying why."""
+    if value is None or 0 <= value <= MAX_LOGPROBS:
+        return
+    whole = " (-1, every token of the vocabulary, is not served)" if value == -1 else ""
+    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}{whole}")
+
+
 class CompletionRequest(SamplingFields):
     # Text, or token ids (what `vllm bench serve` and `minivllm bench --base-url` send).
     # A list of several prompts (a batch in one request) is not supported.
@@ -133,12 +144,21 @@ class CompletionRequest(SamplingFields):
     # tokens' too); then ``max_tokens: 0`` asks for the prompt alone, as lm-eval does.
     echo: bool = False
     logprobs: int | None = None  # the top ones per token: 0 .. MAX_LOGPROBS
+    # vLLM extra: each prompt token's logprob and the top ones there (0 .. MAX_LOGPROBS),
+    # sent back as the choice's ``prompt_logprobs``; not in a stream (vLLM refuses that
+    # too). With ``echo`` it also sets how many top ones the echoed prompt shows, as in
+    # vLLM; without it, ``echo`` + ``logprobs`` asks for ``logprobs`` of them.
+    prompt_logprobs: int | None = None
     # Declared to be refused with a clear message unless they ask for nothing.
     suffix: str | None = None
     best_of: int | None = None  # only 1 (= n): one sample, best of one
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        prompt_logprobs = self.logprobs if self.echo else None
+        check_num_logprobs("logprobs", self.logprobs)
+        check_num_logprobs("prompt_logprobs", self.prompt_logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
         return replace(
             super().sampling_params(max_tokens),
             logprobs=self.logprobs,
@@ -173,9 +193,7 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_retention: str | None = None
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        top = self.top_logprobs
-        if top is not None and not 0 <= top <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}")
+        check_num_logprobs("top_logprobs", self.top_logprobs)
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -244,12 +262,24 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """One entry of vLLM's ``prompt_logprobs``: a token's logprob, its rank in the
+    vocabulary (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(OpenAIBaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # vLLM's: per prompt token, token id -> its entry (the prompt's token and the top
+    # ones); the first is null, nothing predicts it. JSON keys are strings: "42".
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):

@@ -78,6 +78,12 @@ class OpenAIServing:
         _refuse_unless(
             request.best_of in (None, 1), "best_of", " (only best_of=1: vLLM v1 removed it; use n)"
         )
+        if request.stream and request.prompt_logprobs is not None:
+            raise RequestError(
+                "prompt_logprobs are not available with stream: true (as in vLLM); "
+                "ask for them without streaming",
+                "prompt_logprobs",
+            )
         prompt = _single_prompt(request.prompt)
         label = prompt if isinstance(prompt, str) else f"[{len(prompt)} token ids]"
         if isinstance(prompt, str):
@@ -89,10 +95,16 @@ class OpenAIServing:
             "cmpl", request, max_tokens, self._completion_prompt(prompt, request), label
         )
         choices = CompletionChoices(
-            self.async_llm.tokenizer, request.echo, request.logprobs, prompt_only
+            self.async_llm.tokenizer,
+            request.echo,
+            request.logprobs,
+            prompt_only,
+            send_prompt_logprobs=request.prompt_logprobs is not None,
         )
         if request.stream:
-            return self._completion_events(accepted, choices, request.include_usage_in_stream)
+            return self._completion_events(
+                accepted, choices, request.include_usage_in_stream, count_output=not prompt_only
+            )
         final = await accepted.stream.collect()
         self.live.update(final)
         usage = _usage(final)
@@ -113,12 +125,16 @@ class OpenAIServing:
         return build
 
     async def _completion_events(
-        self, accepted: Accepted, choices: CompletionChoices, include_usage: bool
+        self,
+        accepted: Accepted,
+        choices: CompletionChoices,
+        include_usage: bool,
+        count_output: bool,
     ):
         def chunk(output: RequestOutput) -> CompletionResponse:
             return _completion_response(accepted, choices(output))
 
-        async for event in self._events(accepted, chunk, None, include_usage):
+        async for event in self._events(accepted, chunk, None, include_usage, count_output):
             yield event
 
     # --- chat ----------------------------------------------------------------------------
@@ -350,16 +366,21 @@ class OpenAIServing:
                 max_tokens_param,
             )
 
-    async def _events(self, accepted: Accepted, chunk, first, include_usage: bool):
+    async def _events(
+        self, accepted: Accepted, chunk, first, include_usage: bool, count_output: bool = True
+    ):
         """The SSE events of one stream: ``first`` (if any) with the first output, a
         chunk per output that brings text or a finish (of the choices that do), usage,
-        [DONE]. Usage counts the prompt once and every choice's tokens."""
+        [DONE]. Usage counts the prompt once and every choice's tokens (none when not
+        ``count_output``: the one token ``echo`` with ``max_tokens: 0`` generates and
+        drops)."""
         num_prompt = num_output = 0
         try:
             async for output in accepted.stream:
                 self.live.update(output)
                 num_prompt = len(output.prompt_token_ids)
-                num_output += sum(len(c.token_ids) for c in output.outputs)
+                if count_output:
+                    num_output += sum(len(c.token_ids) for c in output.outputs)
                 if first is not None:
                     yield _sse(first.model_dump_json())
                     first = None
