@@ -30,6 +30,7 @@ NOT_TESTED = {5, 33}  # no test reaches the function: a survivor too
 SAMPLER = "minivllm.sampler."
 REJECTION_SAMPLER = "minivllm.spec_decode.rejection_sampler."
 DETOKENIZER = "minivllm.detokenizer.x\u01c1Detokenizer\u01c1"
+LOGPROBS = "minivllm.logprobs."
 # name -> why no test can tell the mutant from the original (checked by hand).
 EQUIVALENT: dict[str, str] = {
     "minivllm.kv_cache_manager.x_hash_block_tokens__mutmut_8": (
@@ -154,9 +155,17 @@ EQUIVALENT: dict[str, str] = {
         "`<=` for `<`: no two candidates are equal (each is one (end, stop) pair; a stop's "
         "rank is its own), so a tie never happens"
     ),
+    LOGPROBS + "x_compute_logprobs__mutmut_27": (
+        "topk(0) also when no row asks for top tokens: two empty tensors, which no row reads "
+        "(num_top[i] is 0 for every row)"
+    ),
+    LOGPROBS + "x_compute_logprobs__mutmut_31": "topk without dim=-1: -1 is topk's default",
 }
 ASSERT_MESSAGE = "the text of an assert's message (shown only when an invariant is broken)"
-LAST_AXIS = "the (rejection) sampler's tensors are 2-D [rows, vocab_size]: axis +1 is axis -1"
+LAST_AXIS = (
+    "the (rejection) sampler's and the logprobs' tensors are 2-D [rows, vocab_size]: axis +1 "
+    "is axis -1"
+)
 DEVICE = "device placement (device=, non_blocking=): only observable on a GPU, not on the CPU"
 STRING = re.compile(r"""[rbf]*("[^"]*"|'[^']*')""")
 
@@ -164,8 +173,8 @@ STRING = re.compile(r"""[rbf]*("[^"]*"|'[^']*')""")
 def why_equivalent(name: str, diff: str) -> str | None:
     """The reason a mutant changes nothing observable, or None: the hand-checked list
     above, or one of three kinds recognised from the diff: an assert's message text, a
-    tensor created without its device (CPU either way here) and, in the sampler and the
-    rejection sampler, axis +1 for -1."""
+    tensor created without its device (CPU either way here) and, in the sampler, the
+    rejection sampler and the logprobs, axis +1 for -1."""
     if name in EQUIVALENT:
         return EQUIVALENT[name]
     lines = [line for line in diff.splitlines() if not line.startswith(("---", "+++"))]
@@ -175,7 +184,8 @@ def why_equivalent(name: str, diff: str) -> str | None:
         return None
     if removed.startswith("assert ") and STRING.sub('""', removed) == STRING.sub('""', added):
         return ASSERT_MESSAGE
-    if name.startswith((SAMPLER, REJECTION_SAMPLER)) and _last_axis(removed) == _last_axis(added):
+    last_axis_modules = (SAMPLER, REJECTION_SAMPLER, LOGPROBS)
+    if name.startswith(last_axis_modules) and _last_axis(removed) == _last_axis(added):
         return LAST_AXIS
     if _no_device(removed) == _no_device(added):
         return DEVICE
