@@ -5,6 +5,8 @@ table, more requests or longer tables than it first made room for)."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import torch
 
 from minivllm.input_batch import InputBatch
@@ -34,7 +36,9 @@ def test_a_mixed_step_is_laid_out_back_to_back_with_its_paged_addresses():
     input_ids, positions, md = batch.prepare(step(prefill, decode))
     assert input_ids.tolist() == [11, 12, 13, 14, 15, 16, 21]
     assert positions.tolist() == [2, 3, 4, 5, 6, 7, 9]
-    assert md.slot_mapping.tolist() == expected_slots(2, 6, [7, 3]) + expected_slots(9, 1, [5, 8, 2])
+    assert md.slot_mapping.tolist() == (
+        expected_slots(2, 6, [7, 3]) + expected_slots(9, 1, [5, 8, 2])
+    )
     assert md.slot_mapping.tolist() == [30, 31, 12, 13, 14, 15, 9]
     assert md.cu_seqlens_q.tolist() == [0, 6, 7]
     assert md.context_lens.tolist() == [8, 10]
@@ -92,6 +96,7 @@ def test_more_requests_and_longer_tables_than_it_first_made_room_for():
     chunks[0] = chunk("r0", [1], 40 * BLOCK_SIZE - 1, long_table, table_id=1)
     _, _, md = batch.prepare(step(*chunks))
     assert md.block_tables.tolist()[0] == long_table
+    assert md.block_tables.dtype == torch.int32  # grown, still int32
     assert md.block_tables.tolist()[4] == tables["r4"] + [0] * 35
     assert md.slot_mapping.tolist() == [39 * BLOCK_SIZE + 3] + [
         (100 + i) * BLOCK_SIZE + 3 for i in range(1, 5)
@@ -99,3 +104,40 @@ def test_more_requests_and_longer_tables_than_it_first_made_room_for():
     # All but one leave; the rows they free are taken again by newcomers.
     _, _, md = batch.prepare(step(chunk("r4", [1], 0, [3], 9), chunk("new", [2], 0, [4], 10)))
     assert md.block_tables.tolist() == [[3], [4]]
+
+
+def test_a_table_under_a_known_id_is_read_only_past_the_blocks_already_copied():
+    """The manager only ever appends to a table it handed out (anything else gets a new
+    id), so the batch copies only a table's new blocks: a step costs what changed. A
+    table changed in place under its old id is therefore not seen (a broken promise)."""
+    batch = InputBatch(BLOCK_SIZE, torch.device("cpu"))
+    batch.prepare(step(chunk("a", range(8), 0, [7, 3], table_id=1)))
+    _, _, md = batch.prepare(step(chunk("a", [1], 8, [6, 6, 5], table_id=1)))
+    assert md.block_tables.tolist() == [[7, 3, 5]]  # only block 2 is new
+    _, _, md = batch.prepare(step(chunk("a", [1], 9, [6, 6, 6], table_id=1)))
+    assert md.block_tables.tolist() == [[7, 3, 5]]  # nothing new
+
+
+def test_a_request_absent_from_a_step_leaves_the_batch_whatever_its_table_id():
+    batch = InputBatch(BLOCK_SIZE, torch.device("cpu"))
+    batch.prepare(step(chunk("a", range(8), 0, [7, 3], table_id=1), chunk("b", [1], 0, [2], 2)))
+    batch.prepare(step(chunk("b", [1], 1, [2], table_id=2)))  # "a" left
+    # Back under the same id, a longer table: new to the batch, so read whole.
+    _, _, md = batch.prepare(step(chunk("a", [5], 8, [9, 4, 5], table_id=1)))
+    assert md.block_tables.tolist() == [[9, 4, 5]]
+
+
+def test_memory_follows_the_requests_in_flight_not_the_requests_served():
+    """Requests come and go, two at a time: the rows of those that left are reused."""
+    batch = InputBatch(BLOCK_SIZE, torch.device("cpu"), max_num_reqs=2)
+    tracemalloc.start()
+    try:
+        for i in range(16):
+            leaving = chunk(f"r{i}", [1], 0, [i], i + 1)  # its last step
+            staying = chunk(f"r{i + 1}", [2], 0, [i + 1], i + 2)  # its first
+            _, _, md = batch.prepare(step(leaving, staying))
+            assert md.block_tables.tolist() == [[i], [i + 1]]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # a few kB of rows (a batch that kept growing: 8 MiB here)

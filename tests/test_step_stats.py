@@ -42,8 +42,10 @@ def step_that_ran():
 
 def test_capture_after_a_step_reports_what_ran_and_the_state_after_it():
     scheduler, kv = engine_state()
-    spec = SpecDecodingStats(num_spec_tokens=3, num_drafts=2, num_draft_tokens=5,
-                             num_accepted_tokens=4, num_accepted_tokens_per_pos=[2, 1, 1])  # fmt: skip
+    spec = SpecDecodingStats(
+        num_spec_tokens=3, num_drafts=2, num_draft_tokens=5, num_accepted_tokens=4,
+        num_accepted_tokens_per_pos=[2, 1, 1],
+    )
     stats = StepStats.capture(scheduler, kv, spec, step_that_ran(), 1.5, 2.25, 9, 4)
     assert (stats.start_time, stats.end_time) == (1.5, 2.25)
     assert (stats.num_prefill_tokens, stats.num_decode_tokens) == (12, 2)

@@ -122,7 +122,8 @@ def packed_rows(packed: torch.Tensor, dense: torch.Tensor) -> torch.Tensor | Non
         padded_features = flat.numel() // (num_blocks * block)
         if padded_features < num_features:
             continue
-        view = flat.as_strided((num_blocks, block, num_features), (padded_features * block, 1, block))
+        shape, strides = (num_blocks, block, num_features), (padded_features * block, 1, block)
+        view = flat.as_strided(shape, strides)
         if all(
             torch.equal(_rows_of(view, ids), dense[ids])
             for ids in torch.arange(num_rows).split(512)

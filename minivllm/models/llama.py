@@ -7,9 +7,9 @@ padding: its input is the step's flattened tokens ``[num_tokens]`` with their po
 and attention goes through the paged KV cache via `AttentionMetadata`. The projections are
 `Linear` layers (`minivllm/models/linear.py`): ``nn.Linear`` whose weight, on CPU, is
 prepacked for oneDNN's GEMM once the checkpoint is loaded, which keeps decode's few-row
-matmuls near memory speed. Each weight is held once, the tied embedding included. Split across tensor-parallel ranks they are the
-column- and row-parallel layers of `minivllm/models/parallel_layers.py`; with one rank
-those are exactly the plain layers.
+matmuls near memory speed. Each weight is held once, the tied embedding included. Split
+across tensor-parallel ranks they are the column- and row-parallel layers of
+`minivllm/models/parallel_layers.py`; with one rank those are exactly the plain layers.
 """
 
 from __future__ import annotations
