@@ -27,11 +27,6 @@ def tied_path(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2")  # tied
 
 
-@pytest.fixture(scope="module")
-def untied_path(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
-
-
 def load(path, tp: TensorParallelGroup | None = None):
     model, _ = load_model(path, get_backend("torch")(), torch.float32, torch.device("cpu"), tp)
     return model
@@ -135,8 +130,8 @@ def test_a_state_dict_round_trips_through_the_prepacked_tied_model(tied_path) ->
 
 
 @needs_onednn
-def test_an_untied_model_holds_each_matrix_once_too(untied_path) -> None:
-    model = load(untied_path)
+def test_an_untied_model_holds_each_matrix_once_too(tiny_llama_path) -> None:
+    model = load(tiny_llama_path)
     assert not model.config.tie_word_embeddings
     assert model.embed_tokens.weight is not model.lm_head.weight
     assert not model.embed_tokens.weight.is_mkldnn and model.lm_head.is_prepacked
