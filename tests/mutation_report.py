@@ -30,6 +30,8 @@ NOT_TESTED = {5, 33}  # no test reaches the function: a survivor too
 SAMPLER = "minivllm.sampler."
 REJECTION_SAMPLER = "minivllm.spec_decode.rejection_sampler."
 DETOKENIZER = "minivllm.detokenizer.x\u01c1Detokenizer\u01c1"
+LOGPROBS = "minivllm.logprobs."
+INPUT_BATCH = "minivllm.input_batch.x\u01c1InputBatch\u01c1"
 # name -> why no test can tell the mutant from the original (checked by hand).
 EQUIVALENT: dict[str, str] = {
     "minivllm.kv_cache_manager.x_hash_block_tokens__mutmut_8": (
@@ -154,9 +156,59 @@ EQUIVALENT: dict[str, str] = {
         "`<=` for `<`: no two candidates are equal (each is one (end, stop) pair; a stop's "
         "rank is its own), so a tie never happens"
     ),
+    LOGPROBS + "x_compute_logprobs__mutmut_27": (
+        "topk(0) also when no row asks for top tokens: two empty tensors, which no row reads "
+        "(num_top[i] is 0 for every row)"
+    ),
+    LOGPROBS + "x_compute_logprobs__mutmut_31": "topk without dim=-1: -1 is topk's default",
+    **{
+        INPUT_BATCH + name: (
+            "which row holds a request, and how many spare rows there are: not observable, "
+            "a step's tensors are built from its chunks' rows in order (rows are still reused: "
+            "test_memory_follows_the_requests_in_flight_not_the_requests_served)"
+        )
+        for name in [f"__init____mutmut_{n}" for n in (1, 21, 26, 27, 28, 30, 31, 33, 34)]
+        + [f"_take_row__mutmut_{n}" for n in (5, 17, 21)]
+    },
+    **{
+        INPUT_BATCH + name: (
+            "more spare columns in the block-table array (or grown one block earlier): only "
+            "the first max_blocks columns of a step's rows are read"
+        )
+        for name in ("__init____mutmut_9", "_update_row__mutmut_16", "_update_row__mutmut_20")
+    },
+    **{
+        INPUT_BATCH + name: (
+            "table ids kept as float64, not int64: compared with != to ids below 2^53, which "
+            "float64 holds exactly"
+        )
+        for name in ("__init____mutmut_17", "__init____mutmut_19", "_grow__mutmut_22",
+                     "_grow__mutmut_24")  # fmt: skip
+    },
+    **{
+        INPUT_BATCH + f"_grow__mutmut_{n}": (
+            "num_blocks / table_ids grown past the last row: entries no row index reaches"
+        )
+        for n in (18, 25)
+    },
+    INPUT_BATCH + "_update_row__mutmut_15": (
+        "`>=` for `>` before copying the new blocks: with none, the copy is of an empty slice"
+    ),
+    **{
+        INPUT_BATCH + f"prepare__mutmut_{n}": (
+            "np.fromiter without its count: the count only sizes the array up front"
+        )
+        for n in (9, 18, 25, 34)
+    },
+    INPUT_BATCH + "__init____mutmut_3": (
+        "the batch's device set to None: its tensors stay on the CPU, where the mutation run is"
+    ),
 }
 ASSERT_MESSAGE = "the text of an assert's message (shown only when an invariant is broken)"
-LAST_AXIS = "the (rejection) sampler's tensors are 2-D [rows, vocab_size]: axis +1 is axis -1"
+LAST_AXIS = (
+    "the (rejection) sampler's and the logprobs' tensors are 2-D [rows, vocab_size]: axis +1 "
+    "is axis -1"
+)
 DEVICE = "device placement (device=, non_blocking=): only observable on a GPU, not on the CPU"
 STRING = re.compile(r"""[rbf]*("[^"]*"|'[^']*')""")
 
@@ -164,8 +216,8 @@ STRING = re.compile(r"""[rbf]*("[^"]*"|'[^']*')""")
 def why_equivalent(name: str, diff: str) -> str | None:
     """The reason a mutant changes nothing observable, or None: the hand-checked list
     above, or one of three kinds recognised from the diff: an assert's message text, a
-    tensor created without its device (CPU either way here) and, in the sampler and the
-    rejection sampler, axis +1 for -1."""
+    tensor created without its device (CPU either way here) and, in the sampler, the
+    rejection sampler and the logprobs, axis +1 for -1."""
     if name in EQUIVALENT:
         return EQUIVALENT[name]
     lines = [line for line in diff.splitlines() if not line.startswith(("---", "+++"))]
@@ -175,7 +227,8 @@ def why_equivalent(name: str, diff: str) -> str | None:
         return None
     if removed.startswith("assert ") and STRING.sub('""', removed) == STRING.sub('""', added):
         return ASSERT_MESSAGE
-    if name.startswith((SAMPLER, REJECTION_SAMPLER)) and _last_axis(removed) == _last_axis(added):
+    last_axis_modules = (SAMPLER, REJECTION_SAMPLER, LOGPROBS)
+    if name.startswith(last_axis_modules) and _last_axis(removed) == _last_axis(added):
         return LAST_AXIS
     if _no_device(removed) == _no_device(added):
         return DEVICE

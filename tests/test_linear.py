@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm.models import linear as linear_module
-from minivllm.models.linear import Linear, onednn_linear_available
+from minivllm.models.linear import Linear, onednn_linear_available, weight_rows
 
 needs_onednn = pytest.mark.skipif(
     not onednn_linear_available(torch.empty(1)), reason="this torch build has no oneDNN linear"
@@ -77,20 +77,23 @@ def test_a_state_dict_loads_into_a_prepacked_layer() -> None:
 
 
 @needs_onednn
-def test_a_shared_weight_stays_shared_with_its_packed_copy_beside_it() -> None:
-    """A tied ``lm_head``: the embedding keeps the row-major matrix for its lookups, the
-    parameter stays one object (counted once), and the layer multiplies by the copy."""
-    embedding = torch.nn.Embedding(10, 4)
-    lm_head = make_linear(4, 10, bias=False)
-    lm_head.weight = embedding.weight
+def test_a_tied_layer_is_prepacked_with_its_rows_readable_in_place() -> None:
+    """A tied ``lm_head``: the packed weight also gives the embedding's rows, read from
+    oneDNN's buffer (no second copy), and goes back to the plain matrix on prepack=False."""
+    lm_head = make_linear(4, 100, bias=False)
+    lm_head.tied = True
+    dense = lm_head.weight.detach().clone()
     lm_head.process_weights_after_loading()
-    assert lm_head.is_prepacked and lm_head.weight is embedding.weight
-    assert lm_head.packed_beside is not None and lm_head.packed_beside.is_mkldnn
+    assert lm_head.weight.is_mkldnn
+    rows = lm_head.weight.packed_rows
+    assert rows.untyped_storage().data_ptr() == torch.ops.mkldnn.data_ptr(lm_head.weight)
+    ids = torch.tensor([0, 1, 63, 64, 99, 5, 5])
+    assert torch.equal(weight_rows(lm_head.weight, ids), dense[ids])
     x = torch.randn(3, 4)
     with torch.inference_mode():
-        torch.testing.assert_close(lm_head(x), F.linear(x, embedding.weight), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lm_head(x), F.linear(x, dense), atol=1e-5, rtol=1e-5)
     lm_head.process_weights_after_loading(prepack=False)
-    assert not lm_head.is_prepacked and lm_head.weight is embedding.weight
+    assert not lm_head.is_prepacked and torch.equal(lm_head.weight, dense)
 
 
 def test_without_onednn_the_layer_is_f_linear(monkeypatch) -> None:
@@ -128,9 +131,6 @@ def test_loaded_model_is_prepacked(tiny_llama_path) -> None:
     model, _ = load_model(tiny_llama_path, get_backend("torch")(), torch.float32, "cpu")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.is_prepacked for m in linears)
-    # One copy of each projection: no row-major matrix is left but the embedding's (which
-    # a tied lm_head shares, its prepacked copy beside it).
+    # One copy of each projection: no row-major matrix is left but the (untied) embedding's.
     dense = [name for name, p in model.named_parameters() if p.dim() == 2 and not p.is_mkldnn]
-    assert dense == ["embed_tokens.weight"]
-    tied = model.config.tie_word_embeddings
-    assert (model.lm_head.packed_beside is not None) == tied
+    assert not model.config.tie_word_embeddings and dense == ["embed_tokens.weight"]

@@ -10,6 +10,7 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
+from minivllm.logprobs import compute_logprobs
 from minivllm.outputs import Logprob
 from minivllm.sampling_params import RequestOutputKind
 from tests.helpers import TINY_VOCAB
@@ -185,3 +186,50 @@ def test_smollm2_logprobs_equal_transformers(smollm2_path):
             assert logprob.decoded_token == tokenizer.convert_tokens_to_string(
                 [tokenizer.convert_ids_to_tokens(t)]
             )
+
+
+# compute_logprobs itself, on hand-made logits (no model): these are the tests the mutation
+# run reaches (it leaves out those that load a checkpoint).
+
+
+def test_compute_logprobs_gives_the_chosen_token_then_each_rows_own_top_k():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 10) * 3
+    expected = logits.log_softmax(dim=-1)
+    order = expected.argsort(dim=-1, descending=True).tolist()
+    chosen = [order[0][4], order[1][0], order[2][9]]  # a middle, the best, the worst token
+    rows = compute_logprobs(logits, chosen, [0, 3, 10])
+    assert len(rows) == 3
+    assert list(rows[0]) == [chosen[0]]  # no top tokens asked for row 0
+    assert rows[0][chosen[0]] == Logprob(float(expected[0, chosen[0]]), 5)
+    # Row 1 chose the best token: it is also top 1, listed once.
+    assert list(rows[1]) == order[1][:3]
+    # Row 2 chose the worst: first, then all ten in rank order (itself not again).
+    assert list(rows[2]) == [chosen[2]] + order[2][:9]
+    for i, row in enumerate(rows):
+        for token, logprob in row.items():
+            assert logprob.logprob == float(expected[i, token])  # exactly log_softmax
+            assert logprob.rank == order[i].index(token) + 1
+
+
+def test_compute_logprobs_rank_counts_only_strictly_more_likely_tokens():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    rows = compute_logprobs(logits, [0, 3], [2, 0])
+    assert rows[0][0].rank == 3  # two tokens are more likely, none ties with it
+    assert [rows[0][t].rank for t in list(rows[0])[1:]] == [1, 2]  # top list: rank by place
+    assert rows[1][3].rank == 1  # all equal: none is strictly more likely
+    assert rows[1][3].logprob == pytest.approx(-1.3862944)  # log(1/4)
+
+
+def test_compute_logprobs_is_computed_in_float32_from_half_precision_logits():
+    torch.manual_seed(1)
+    logits = (torch.randn(2, 50) * 4).to(torch.bfloat16)
+    expected = logits.float().log_softmax(dim=-1)
+    rows = compute_logprobs(logits, [7, 8], [1, 1])
+    for i, token in enumerate([7, 8]):
+        assert rows[i][token].logprob == float(expected[i, token])
+        [(top, top_logprob)] = [(t, lp) for t, lp in rows[i].items() if t != token] or [
+            (token, rows[i][token])
+        ]
+        assert top_logprob.logprob == float(expected[i].max())
+        assert top == int(expected[i].argmax()) and top_logprob.rank == 1

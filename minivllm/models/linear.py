@@ -16,15 +16,19 @@ gives back the exact original values. The state dict is written in the ordinary 
 and ``process_weights_after_loading(prepack=False)`` turns the layer back into a plain
 one (do that before changing the weight's values, dtype or device).
 
-A weight shared with another module (small models tie ``lm_head`` to the input embedding)
-is the one exception: the embedding still needs the row-major matrix for its lookups, so
-the shared parameter stays as it is and the prepacked copy sits beside it
-(``packed_beside``), as in vLLM's CPU path.
+A weight tied to the input embedding (small models reuse it as ``lm_head``) is held once
+too: the embedding reads its rows out of the prepacked buffer in place (`packed_rows`).
+oneDNN's layout for a linear weight keeps the rows in blocks (64 rows side by side,
+feature after feature, on AVX2 and AVX-512), so row ``i`` is a strided view into it. The
+dense matrix would cost a second copy (113 MB for SmolLM2), and multiplying by it instead
+of the prepacked one would make SmolLM2's ``lm_head`` 2x slower at one sequence and 3x at
+32. Where the rows cannot be read in place (a layout not seen here, a torch without
+``torch.ops.mkldnn.data_ptr``), the tied weight stays a plain matrix for both.
 """
 
 from __future__ import annotations
 
-import weakref
+import ctypes
 
 import torch
 import torch.nn.functional as F
@@ -45,14 +49,16 @@ def onednn_linear_available(weight: torch.Tensor) -> bool:
 class Linear(nn.Linear):
     """``nn.Linear`` whose weight may be held in oneDNN's prepacked layout instead."""
 
-    packed_beside: torch.Tensor | None = None  # the prepacked copy of a shared weight
+    tied = False  # the input embedding reads this weight's rows (CausalLM.tie_weights)
 
     @property
     def is_prepacked(self) -> bool:
-        return self.weight.is_mkldnn or self.packed_beside is not None
+        return self.weight.is_mkldnn
 
     def process_weights_after_loading(self, prepack: bool = True) -> None:
         """Prepack the weight for oneDNN if possible (``prepack=False``: back to row-major)."""
+        if prepack and self.is_prepacked:
+            return  # once is enough (the loader prepacks a tied weight early)
         self._unpack()
         if not (prepack and onednn_linear_available(self.weight)):
             return
@@ -60,24 +66,25 @@ class Linear(nn.Linear):
             packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         except RuntimeError:  # a oneDNN build that cannot handle it: keep F.linear
             return
-        row_major = weakref.ref(self.weight)
+        rows = packed_rows(packed, self.weight.detach()) if self.tied else None
+        if self.tied and rows is None:  # the embedding could not read it: keep one plain copy
+            return
         self.weight = nn.Parameter(packed, requires_grad=False)  # the row-major copy is freed
-        shared = row_major()
-        if shared is not None:  # ... unless another module holds it too: keep it shared
-            self.weight, self.packed_beside = shared, packed
+        if rows is not None:  # for the embedding (a Parameter attribute, as vLLM's weight_loader)
+            self.weight.packed_rows = rows
 
     def _unpack(self) -> None:
         if self.weight.is_mkldnn:
             self.weight = nn.Parameter(self.weight.to_dense())
-        self.packed_beside = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.packed_beside is None else self.packed_beside
-        if not weight.is_mkldnn:
-            return F.linear(x, weight, self.bias)
+        if not self.weight.is_mkldnn:
+            return F.linear(x, self.weight, self.bias)
         if x.dim() != 2:  # oneDNN's op takes rows: flatten the leading dimensions
             return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), self.weight, self.bias, "none", [], ""
+        )
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         """The state dict holds the weight in the ordinary row-major layout."""
@@ -92,3 +99,47 @@ class Linear(nn.Linear):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if prepacked:
             self.process_weights_after_loading()
+
+
+def packed_rows(packed: torch.Tensor, dense: torch.Tensor) -> torch.Tensor | None:
+    """The rows of ``packed`` (``dense`` prepacked), read in place: oneDNN's buffer as a
+    ``[row_blocks, block, in_features]`` view in which row ``i`` is ``[i // block, i % block]``;
+    None where the buffer is laid out otherwise, or this torch cannot expose it.
+
+    oneDNN lays a linear weight out as blocks of ``block`` rows, each block feature after
+    feature with its rows side by side (64 on AVX2 and AVX-512; 1, the row-major matrix,
+    or all rows, the transposed one, on older CPUs), the features perhaps padded. Which
+    block it chose is not exposed, so each is tried against ``dense``, every row."""
+    if not hasattr(torch.ops.mkldnn, "data_ptr"):
+        return None
+    num_rows, num_features = dense.shape
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    buffer = (ctypes.c_byte * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    buffer.owner = packed  # the view keeps the buffer, and so oneDNN's tensor, alive
+    flat = torch.frombuffer(buffer, dtype=dense.dtype)
+    for block in dict.fromkeys((64, 32, 16, 8, 1, num_rows)):
+        num_blocks = -(-num_rows // block)
+        padded_features = flat.numel() // (num_blocks * block)
+        if padded_features < num_features:
+            continue
+        shape, strides = (num_blocks, block, num_features), (padded_features * block, 1, block)
+        view = flat.as_strided(shape, strides)
+        if all(
+            torch.equal(_rows_of(view, ids), dense[ids])
+            for ids in torch.arange(num_rows).split(512)
+        ):
+            return view
+    return None
+
+
+def weight_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a weight matrix, ``[*ids.shape, in_features]``: an embedding lookup,
+    from the row-major matrix or in place from a prepacked one that has `packed_rows`."""
+    if not weight.is_mkldnn:
+        return F.embedding(ids, weight)
+    return _rows_of(weight.packed_rows, ids)
+
+
+def _rows_of(row_blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    block = row_blocks.shape[1]
+    return row_blocks[ids // block, ids % block]

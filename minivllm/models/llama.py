@@ -5,11 +5,11 @@ q/k/v projections (Qwen2), an RMSNorm on each head's queries and keys (Qwen3), a
 head dimension. Unlike a Hugging Face model, this one sees no batch dimension and no
 padding: its input is the step's flattened tokens ``[num_tokens]`` with their positions,
 and attention goes through the paged KV cache via `AttentionMetadata`. The projections are
-`Linear` layers (`minivllm/models/linear.py`): ``nn.Linear`` plus, on CPU, a copy of the
-weight prepacked for oneDNN's GEMM once the checkpoint is loaded, which keeps decode's
-few-row matmuls near memory speed. Split across tensor-parallel ranks they are the
-column- and row-parallel layers of `minivllm/models/parallel_layers.py`; with one rank
-those are exactly the plain layers.
+`Linear` layers (`minivllm/models/linear.py`): ``nn.Linear`` whose weight, on CPU, is
+prepacked for oneDNN's GEMM once the checkpoint is loaded, which keeps decode's few-row
+matmuls near memory speed. Each weight is held once, the tied embedding included. Split
+across tensor-parallel ranks they are the column- and row-parallel layers of
+`minivllm/models/parallel_layers.py`; with one rank those are exactly the plain layers.
 """
 
 from __future__ import annotations
@@ -209,9 +209,11 @@ class CausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Small models reuse the input embedding as the output projection."""
+        """Small models reuse the input embedding as the output projection: one Parameter,
+        the LM head's, which the embedding reads its rows from, prepacked or not."""
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.tied = True
+            self.embed_tokens.weight = self.lm_head.weight
 
     def process_weights_after_loading(self, prepack: bool = True) -> None:
         """Once the checkpoint is in: prepack every projection for the CPU GEMM where this
@@ -219,6 +221,17 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading(prepack)
+        self.tie_weights()  # the LM head has a new weight: the embedding takes it too
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """A state dict holds plain matrices: load them into the plain model, then prepack
+        again if it was (the tied weight goes back to one plain Parameter meanwhile)."""
+        prepacked = any(m.is_prepacked for m in self.modules() if isinstance(m, Linear))
+        self.process_weights_after_loading(prepack=False)
+        result = super().load_state_dict(state_dict, strict, assign)
+        if prepacked:
+            self.process_weights_after_loading()
+        return result
 
     def forward(
         self,

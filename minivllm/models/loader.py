@@ -122,12 +122,12 @@ def load_model(
     ``tp``, this rank's slice of them)."""
     config, hf_config = load_model_config(path)
     with torch.device("meta"):  # no memory, no random init: the checkpoint fills it
-        model = CausalLM(config, backend, tp)
+        model = CausalLM(config, backend, tp).to(dtype).eval()
     model.to_empty(device=device)
     model.tie_weights()  # to_empty made new parameters, untying them
-    model.rotary = RotaryEmbedding(config).to(device)  # computed, not loaded: build it for real
+    # Computed, not loaded: build it for real.
+    model.rotary = RotaryEmbedding(config).to(device=device, dtype=dtype)
     _load_weights(model, Path(path), config)
-    model = model.to(dtype).eval()
     model.process_weights_after_loading()
     return model, hf_config
 
@@ -173,6 +173,12 @@ def _load_weights(model: CausalLM, path: Path, config: ModelConfig) -> None:
         loaded.add(name)
 
     put("embed_tokens.weight", take("embed_tokens.weight"))
+    if config.tie_word_embeddings:
+        # Prepack the tied matrix now: prepacking holds it twice for a moment, and that
+        # moment sets the peak memory unless it comes before the other weights are in.
+        model.lm_head.process_weights_after_loading()
+        model.tie_weights()
+        params = dict(model.named_parameters())  # without the plain matrix, now freed
     put("norm.weight", take("norm.weight"))
     if not config.tie_word_embeddings:
         put("lm_head.weight", take("lm_head.weight"))

@@ -23,7 +23,7 @@ from torch import nn
 
 from minivllm.distributed import TensorParallelGroup
 from minivllm.models.arithmetic import kv_heads_per_rank
-from minivllm.models.linear import Linear
+from minivllm.models.linear import Linear, weight_rows
 from minivllm.utils import cdiv
 
 
@@ -123,7 +123,8 @@ def shard_vocab_rows(full: torch.Tensor, tp: TensorParallelGroup) -> torch.Tenso
 
 class VocabParallelEmbedding(nn.Embedding):
     """Each rank holds the embeddings of a slice of the vocabulary; a token outside it
-    gets zeros there, and the all-reduce adds the one rank's real row."""
+    gets zeros there, and the all-reduce adds the one rank's real row. Tied to the LM
+    head, the weight is the head's, perhaps prepacked: rows are read from it in place."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup) -> None:
         self.vocab_start, rows = vocab_share(vocab_size, tp)
@@ -135,11 +136,17 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(input_ids)
+            return weight_rows(self.weight, input_ids)
         local_ids = input_ids - self.vocab_start
         elsewhere = (local_ids < 0) | (local_ids >= self.num_embeddings)
-        hidden = super().forward(local_ids.masked_fill(elsewhere, 0))
+        hidden = weight_rows(self.weight, local_ids.masked_fill(elsewhere, 0))
         return self.tp.all_reduce(hidden.masked_fill(elsewhere[:, None], 0))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        """The state dict holds the ordinary row-major matrix, prepacked or not."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.weight.is_mkldnn:
+            destination[prefix + "weight"] = self.weight.to_dense()
 
 
 class ParallelLMHead(Linear):
