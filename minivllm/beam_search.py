@@ -30,7 +30,10 @@ finish like any stopped request (their blocks go back), and each fork goes to th
 scheduler (`Scheduler.fork_request`), which asks the KV cache manager to share the
 blocks. Copies are decided only when a beam is scheduled to write, by the manager, and
 travel to the model runner in the next step's `SchedulerOutput`. So data still flows one
-way: the group never touches blocks, the scheduler never reads logprobs.
+way: the group never touches blocks, the scheduler never reads logprobs. The fork itself
+is made when decided, not at the next `schedule`: sharing takes no block, so waiting
+gains nothing, and meanwhile the child would be a request in no queue (for an abort or
+the stats to trip over). What does wait for the next step is every copy.
 
 A beam that has reported waits, computing nothing, until its siblings have too. A
 preempted beam drops its block references like any preempted request (the blocks it

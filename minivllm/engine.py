@@ -231,6 +231,8 @@ class LLMEngine:
         if group is not None:  # every live beam
             self.scheduler.finish_requests(group.beam_ids, FinishReason.ABORT)
             return True
+        if request_id in self.beam_groups.group_of:  # one beam is not a request of its own
+            return False
         if request_id not in self.scheduler.requests:
             return False
         self.scheduler.finish_requests(request_id, FinishReason.ABORT)
