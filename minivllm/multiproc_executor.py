@@ -3,8 +3,9 @@
 
 It starts one process per rank (``spawn``: a fresh interpreter, safe with threads and
 CUDA), and they form a `torch.distributed` group by ``env://`` rendezvous. Each step it
-pickles the step's chunks once and sends the bytes down every worker's pipe; every rank
-runs the same step on its slice of the model, and rank 0 answers with the sampled tokens.
+pickles the step's chunks (and block copies) once and sends the bytes down every
+worker's pipe; every rank runs the same step on its slice of the model, and rank 0
+answers with the sampled tokens.
 
 Faults surface as errors, not hangs: the executor waits on the workers' pipes *and* on
 their process sentinels, so a worker that raises or dies wakes it at once; it then stops
@@ -97,8 +98,12 @@ class MultiprocExecutor:
             raise RuntimeError("the executor's workers are stopped; start a new engine")
         start = time.perf_counter()
         # The workers read only the chunks (ids, positions, block tables, sampling
-        # settings), not the engine's Sequence objects: pickle once, send to all.
-        payload = pickle.dumps(SchedulerOutput(chunks=scheduler_output.chunks), protocol=-1)
+        # settings) and the blocks to copy first (copy-on-write), not the engine's
+        # Sequence objects: pickle once, send to all.
+        step = SchedulerOutput(
+            chunks=scheduler_output.chunks, blocks_to_copy=scheduler_output.blocks_to_copy
+        )
+        payload = pickle.dumps(step, protocol=-1)
         for worker in self.workers:
             try:
                 worker.conn.send_bytes(payload)
