@@ -132,6 +132,15 @@ class EngineConfig:
             "unless the scheduling policy is static)"
         },
     )
+    share_forked_blocks: bool = field(
+        default=True,
+        metadata={
+            "help": "beam search: a forked beam shares its parent's KV blocks, copying only "
+            "a shared partial block when it writes into it (PagedAttention's copy-on-write); "
+            "off: every fork copies all its parent's blocks at once, as a cache without "
+            "shared paging must (kept for comparison)"
+        },
+    )
     scheduling_policy: str = field(
         default="continuous",
         metadata={"help": "continuous: vLLM's token-level batching; static: for comparison"},
@@ -183,6 +192,10 @@ class EngineConfig:
             raise ValueError(
                 f"enable_prefix_caching must be True, False or None, "
                 f"got {self.enable_prefix_caching!r}"
+            )
+        if not isinstance(self.share_forked_blocks, bool):
+            raise ValueError(
+                f"share_forked_blocks must be True or False, got {self.share_forked_blocks!r}"
             )
         if self.scheduling_policy == "static" and self.enable_prefix_caching:
             raise ValueError("prefix caching needs the paged cache of the continuous policy")

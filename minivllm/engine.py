@@ -68,8 +68,9 @@ class LLMEngine:
         ex = self.executor
         self.num_kv_blocks, self.max_model_len = ex.num_kv_blocks, ex.max_model_len
         self.kv_cache_manager = KVCacheManager(
-            ex.num_kv_blocks, config.block_size, config.enable_prefix_caching
-        )
+            ex.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            config.share_forked_blocks,
+        )  # fmt: skip
         self.scheduler = self._make_scheduler()
         self.input_processor = InputProcessor(
             tokenizer, self.model_config.vocab_size, ex.max_model_len,

@@ -22,11 +22,22 @@ children of one prompt (parallel_sampling.py) compute the prompt once although t
 all admitted together. Children are marked ``shares_prompt``: they hash and look up blocks
 even when prefix caching is off (then nobody else does).
 
-Only full blocks are ever shared, and a full block is never written again (a request only
-writes at positions ``>= num_computed_tokens``, past its shared blocks), so sharing needs
-no copy-on-write. The hit is capped below the request's last token: the model has to run
-on at least one token to produce the logits for the next one (nano-vllm #114 crashed on a
-100 % hit), and the cap is whole blocks so that the recomputed tail goes to fresh blocks.
+A prefix hit only ever shares full blocks, and a full block is never written again (a
+request only writes at positions ``>= num_computed_tokens``, past its shared blocks). The
+hit is capped below the request's last token: the model has to run on at least one token
+to produce the logits for the next one (nano-vllm #114 crashed on a 100 % hit), and the
+cap is whole blocks so that the recomputed tail goes to fresh blocks.
+
+Fork and copy-on-write (PagedAttention, Kwon et al. SOSP 2023, section 4.4; beam search,
+beam_search.py). `fork` gives a new sequence its parent's whole table, the last, *partial*
+block included: every block gains one reference, nothing is copied. The first of the two
+to write its next token into that shared partial block gets a fresh block instead:
+`allocate_slots` takes one, drops a reference to the shared one and records the copy
+``(src, dst)``. The scheduler hands the step's copies to the model runner, which copies
+those blocks in every layer's K and V cache before the forward runs. Only a last, partial
+block can ever need this: full blocks are never written. With ``share_forked_blocks=False``
+a fork copies every block at once instead, as a cache without shared paging must (kept to
+measure what sharing saves).
 """
 
 from __future__ import annotations
@@ -64,14 +75,26 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        share_forked_blocks: bool = True,
+    ):
+        """``share_forked_blocks``: a `fork` shares the parent's blocks (copy-on-write);
+        False copies them all at once, each fork holding its own (for comparison)."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.share_forked_blocks = share_forked_blocks
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_cache_stats = PrefixCacheStats()
         self._table_ids = itertools.count(1)  # `Sequence.block_table_id`: 0 means none yet
+        # Copies decided since the scheduler last took them: (src, dst) block ids, done by
+        # the model runner before the step's forward.
+        self.blocks_to_copy: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -111,7 +134,8 @@ class KVCacheManager:
         blocks. Returns False, taking nothing, when the pool has too few free blocks; cached
         blocks that sit in the free queue count against it, as sharing takes them out."""
         is_admission = computed_blocks is not None
-        if not is_admission and (
+        num_to_copy = 0 if is_admission else self._num_blocks_to_copy(seq)
+        if not num_to_copy and not is_admission and (
             seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size
         ):
             return True  # most decode steps: the last block still has room
@@ -124,8 +148,10 @@ class KVCacheManager:
             - len(computed_blocks)
         )
         num_hit_free = sum(self.allocator.ref_counts[b] == 0 for b in computed_blocks)
-        if num_missing + num_hit_free > self.allocator.num_free_blocks:
+        if num_missing + num_to_copy + num_hit_free > self.allocator.num_free_blocks:
             return False
+        if num_to_copy:
+            self._copy_on_write(seq)
         for block_id in computed_blocks:
             self.allocator.touch(block_id)
         if not seq.block_table:  # a table starts: a new request, or one back from preemption
@@ -136,6 +162,64 @@ class KVCacheManager:
             self.prefix_cache_stats.num_queried_tokens += seq.num_tokens
             self.prefix_cache_stats.num_hit_tokens += len(computed_blocks) * self.block_size
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give ``child`` (holding no blocks) ``parent``'s computed tokens: the same blocks,
+        each one reference more, and the same ``num_computed_tokens``. The child's tokens
+        must start with the parent's computed ones. With ``share_forked_blocks=False`` the
+        child gets copies of every block instead; False, taking nothing, when the pool has
+        too few free blocks for them."""
+        assert not child.block_table and parent.block_table
+        assert child.token_ids[: parent.num_computed_tokens] == parent.token_ids[
+            : parent.num_computed_tokens
+        ]
+        if self.share_forked_blocks:
+            for block_id in parent.block_table:
+                self.allocator.touch(block_id)
+            child.block_table.extend(parent.block_table)
+        else:
+            if len(parent.block_table) > self.allocator.num_free_blocks:
+                return False
+            for src in parent.block_table:
+                dst = self.allocator.allocate()
+                if self.allocator.block_hashes[src] is not None:  # a full block: same contents
+                    self.allocator.cache_block(dst, self.allocator.block_hashes[src])
+                self.blocks_to_copy.append((src, dst))
+                child.block_table.append(dst)
+        child.block_table_id = next(self._table_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        return True
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        """The copies decided since the last call, for the step being scheduled; then none.
+
+        A block freed and handed out again in the same step may be the target of two
+        copies: only the last counts (the model runner gathers every source before it
+        writes any target, so a source freed and reused as a target is read first)."""
+        if not self.blocks_to_copy:
+            return []
+        last_src_of = {dst: src for src, dst in self.blocks_to_copy}
+        self.blocks_to_copy = []
+        return [(src, dst) for dst, src in last_src_of.items()]
+
+    def _num_blocks_to_copy(self, seq: Sequence) -> int:
+        """1 if ``seq``'s next token goes into a block it shares (a fork's partial last
+        block), else 0."""
+        if not seq.num_computed_tokens % self.block_size:
+            return 0  # the next token starts a new block
+        return int(self.allocator.ref_counts[seq.block_table[-1]] > 1)
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        """Replace ``seq``'s shared last block by a fresh copy of it, which it alone
+        writes; the other holders keep the original."""
+        src = seq.block_table[-1]
+        assert len(seq.block_table) == self.num_blocks_needed(seq.num_computed_tokens)
+        assert self.allocator.block_hashes[src] is None, "a full block is never written"
+        dst = self.allocator.allocate()
+        self.allocator.free(src)  # one reference of several: src stays in use
+        seq.block_table[-1] = dst
+        seq.block_table_id = next(self._table_ids)  # not only grown: a new table
+        self.blocks_to_copy.append((src, dst))
 
     def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
         """Register ``seq``'s blocks that are full of computed *and known* tokens and not

@@ -7,7 +7,8 @@ each chunk's last row, and only for chunks the scheduler marked to sample (a pre
 chunk in the middle of a prompt has nothing to say); a decode with draft tokens also at
 every draft row, to verify the drafts. A request that asked for ``prompt_logprobs`` gets
 logits at its prompt rows too (logprobs.py); nobody else pays for them. It reads nothing
-but the chunks: why a chunk is there is the scheduler's business.
+but the chunks, and the blocks to copy first (copy-on-write, kv_cache_manager.py): why a
+chunk or a copy is there is the scheduler's business.
 
 The inputs are built by a persistent `InputBatch` (input_batch.py) that keeps the block
 tables from step to step: at hundreds of requests, rebuilding them every step cost more
@@ -76,10 +77,20 @@ class ModelRunner:
         """Run one step; returns the tokens sampled for each chunk that samples: one, or
         with draft tokens, the accepted drafts and one more; and the logprobs of requests
         that asked."""
+        self.copy_blocks(scheduler_output.blocks_to_copy)
         self.fill_placeholders(scheduler_output)
         output = self._execute_model(scheduler_output)
         self.prev_sampled_token_ids = {r: t[-1] for r, t in output.sampled_token_ids.items()}
         return output
+
+    def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        """Copy-on-write, decided by the KV cache manager: block ``dst`` gets block ``src``'s
+        keys and values in every layer, before the forward writes anything. All sources
+        are gathered before any target is written."""
+        if not blocks_to_copy:
+            return
+        src, dst = zip(*blocks_to_copy)
+        self.kv_caches[:, :, list(dst)] = self.kv_caches[:, :, list(src)]
 
     def fill_placeholders(self, scheduler_output: SchedulerOutput) -> None:
         """Async scheduling: a decode scheduled while the step before was running has that

@@ -74,6 +74,8 @@ class Scheduler:
         budget = self._schedule_waiting(out, budget)
         if self.proposer is not None:
             self._schedule_drafts(out, budget)
+        if not out.is_empty:  # an empty step does not run: its copies wait for the next
+            out.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()  # copy-on-write
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

@@ -1,8 +1,9 @@
 """What the scheduler decided for one step (vLLM: ``vllm/v1/core/sched/output.py``).
 
-The model runner reads only ``chunks``: for each, token ids to compute, the position of
-the first one, and the block table whose slots hold the request's keys and values. It
-knows nothing about why a chunk is there. The rest is for the scheduler's own
+The model runner reads only ``chunks`` and ``blocks_to_copy``: for each chunk, token ids to
+compute, the position of the first one, and the block table whose slots hold the request's
+keys and values; and the blocks to copy before the step (copy-on-write). It knows nothing
+about why a chunk or a copy is there. The rest is for the scheduler's own
 bookkeeping after the step and for whoever watches (metrics, notebooks).
 
 It is a value, as in vLLM (which builds its ``SchedulerOutput`` once every decision is
@@ -89,6 +90,9 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Each scheduled request's chunk, by id (a padding chunk is in ``chunks`` only).
     chunk_of: dict[str, ScheduledChunk] = field(default_factory=dict, repr=False)
+    # Copy-on-write (kv_cache_manager.py): (src, dst) block ids whose keys and values the
+    # runner copies, in every layer, before this step's forward (vLLM v0's blocks_to_copy).
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         """Schedule the next ``num_new_tokens`` of ``seq``, from its ``num_computed_tokens``."""
