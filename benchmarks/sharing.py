@@ -9,9 +9,9 @@ Each row runs one seeded workload twice on the same engine, sharing on and off:
 - ``n``: ``SamplingParams(n=k)`` per prompt (on: the children share the prompt's full
   blocks) against ``k`` separate requests per prompt with prefix caching off (off: every
   child computes the prompt and holds its own copy of every block);
-- ``beam``: beam search of width ``k`` with forking by reference count and copy-on-write
-  (on) against forking by an eager copy of every block (off). Rows appear once the engine
-  has beam search (`LLM.beam_search`).
+- ``beam``: beam search of width ``k`` (``BeamSearchParams``) forking by reference count
+  with copy-on-write (on) against forking by a copy of every block
+  (``share_forked_blocks=False``, off).
 
 Lengths are Alpaca-like (about 19 prompt and 58 output tokens) or ShareGPT-like (about 161
 and 338), drawn as in `minivllm.simulator.workloads`; every request of a workload arrives
@@ -72,7 +72,7 @@ class Run:
     request_peak_blocks: float  # each request's most distinct blocks at once, averaged
     num_steps: int
     num_prefill_tokens: int
-    num_output_tokens: int
+    num_output_tokens: int  # every sample or beam generates its request's max_tokens
     cpu_s: float
 
     @property
@@ -104,9 +104,7 @@ class Row:
 
 
 def has_beam_search() -> bool:
-    import minivllm
-
-    return hasattr(minivllm.LLM, "beam_search")
+    return hasattr(LLMEngine, "add_beam_search_request")
 
 
 def group_of(request_id: str) -> str:
@@ -132,23 +130,37 @@ def add_n_requests(engine: LLMEngine, workload: Workload, width: int, sharing: b
                 engine.add_request(f"{i}_p{j}", prompt, params)
 
 
+def add_beam_requests(engine: LLMEngine, workload: Workload, width: int) -> None:
+    """Beam search of ``width`` per prompt; whether forks share blocks is the engine's
+    ``share_forked_blocks``."""
+    from minivllm.sampling_params import BeamSearchParams
+
+    for j, request in enumerate(workload.requests):
+        prompt = {"prompt_token_ids": request.prompt_token_ids}
+        params = BeamSearchParams(beam_width=width, max_tokens=request.max_tokens, ignore_eos=True)
+        engine.add_beam_search_request(f"p{j}", prompt, params)
+
+
 def measure(engine: LLMEngine, workload: Workload, mode: str, width: int, sharing: bool) -> Run:
     """Run ``workload`` (``n`` samples or beams of ``width`` per prompt) to completion,
-    counting the blocks in use after each step."""
+    counting the blocks in use after each step. For beams, ``engine`` must be built with
+    ``share_forked_blocks=sharing``."""
     kv = engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks, "the engine is not idle"
-    assert mode == "n", mode
-    add_n_requests(engine, workload, width, sharing)
+    if mode == "n":
+        add_n_requests(engine, workload, width, sharing)
+    else:
+        assert engine.config.share_forked_blocks == sharing
+        add_beam_requests(engine, workload, width)
     used: list[int] = []
     request_peak: dict[str, int] = defaultdict(int)
-    prefill = output = 0
+    prefill = 0
     engine.step_log = []
     start = _cpu_s()
     while engine.has_unfinished_requests():
         engine.step()
         stats = engine.step_log[-1]
         prefill += stats.num_prefill_tokens
-        output += stats.num_generation_tokens
         used.append(stats.num_kv_blocks_used)
         held: dict[str, set[int]] = defaultdict(set)
         for seq in engine.scheduler.running:
@@ -164,7 +176,7 @@ def measure(engine: LLMEngine, workload: Workload, mode: str, width: int, sharin
         request_peak_blocks=sum(request_peak.values()) / len(request_peak),
         num_steps=len(used),
         num_prefill_tokens=prefill,
-        num_output_tokens=output,
+        num_output_tokens=width * workload.num_output_tokens,
         cpu_s=cpu_s,
     )
 
@@ -203,20 +215,24 @@ def run_rows(
     )
     max_len = max(len(r.prompt_token_ids) + r.max_tokens for w in workloads.values()
                   for r in w.requests)  # fmt: skip
-    engine = LLMEngine(
-        EngineConfig(
-            model=model,
-            block_size=block_size,
-            num_kv_blocks=num_blocks + 1,
-            max_num_seqs=max(64, num_prompts * max(widths)),
-            max_model_len=max(max_len, 64),
-            enable_prefix_caching=False,  # only the sharing under test
-            seed=seed,
-        )
+    options = dict(
+        model=model,
+        block_size=block_size,
+        num_kv_blocks=num_blocks + 1,
+        max_num_seqs=max(64, num_prompts * max(widths)),
+        max_model_len=max(max_len, 64),
+        enable_prefix_caching=False,  # only the sharing under test
+        seed=seed,
     )
-    budget = budget_blocks or default_budget(engine)
+    engines = {True: LLMEngine(EngineConfig(**options))}  # sharing on, and off:
+    if "beam" in modes and has_beam_search():  # beams fork by copying every block
+        engines[False] = LLMEngine(EngineConfig(**options, share_forked_blocks=False))
+    else:
+        engines[False] = engines[True]  # n off is separate requests: no fork to copy
+    budget = budget_blocks or default_budget(engines[True])
     first = next(iter(workloads.values())).requests[0]
-    measure(engine, Workload("warm-up", [first]), "n", 1, True)  # first-call costs, not timed
+    for engine in set(engines.values()):  # first-call costs, not timed
+        measure(engine, Workload("warm-up", [first]), "n", 1, True)
     rows = []
     for name, workload in workloads.items():
         if progress:
@@ -226,7 +242,7 @@ def run_rows(
                 print("beam: this engine has no beam search yet; rows skipped", file=sys.stderr)
                 continue
             for width in widths:
-                on, off = (measure(engine, workload, mode, width, s) for s in (True, False))
+                on, off = (measure(engines[s], workload, mode, width, s) for s in (True, False))
                 rows.append(Row(name, mode, width, num_prompts, budget, on, off))
                 if progress:
                     print(f"  {mode} = {width}: saved {rows[-1].saved_mean:.1%}", file=sys.stderr)
@@ -260,7 +276,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--lengths", default="alpaca,sharegpt", help="alpaca and/or sharegpt")
     parser.add_argument("--modes", default="n,beam", help="n and/or beam")
     parser.add_argument("--widths", default="2,4,6", help="n and beam widths")
-    parser.add_argument("--num-prompts", type=int, default=4, help="prompts per workload")
+    parser.add_argument("--num-prompts", type=int, default=3, help="prompts per workload")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(

@@ -40,6 +40,7 @@ def test_n_equals_2_by_hand(engine):
     assert (on.request_peak_blocks, off.request_peak_blocks) == (4, 6)
     assert (on.num_prefill_tokens, off.num_prefill_tokens) == (12, 20)
     assert on.num_output_tokens == off.num_output_tokens == 6
+    assert engine.step_log is None  # measure() leaves the engine as it found it
     assert on.num_steps == off.num_steps == 3
     assert engine.kv_cache_manager.num_free_blocks == 64  # everything given back
 
@@ -63,3 +64,21 @@ def test_sharing_never_costs_blocks_and_saves_from_n_2(tiny_llama_path, tmp_path
     assert rows[2]["saved_mean"] > rows[1]["saved_mean"]  # more samples, more shared
     table = capsys.readouterr().out
     assert "| alpaca | n samples | 4 |" in table
+
+
+@pytest.mark.skipif(not sharing.has_beam_search(), reason="the engine has no beam search")
+def test_beams_share_and_a_copying_fork_holds_a_copy_per_beam(tiny_llama_path):
+    """Off, every beam holds its own copy of every block: at the end ``k`` beams of 12
+    computed tokens (10 prompt + 3 output - 1), 3 blocks each. On, they share at least the
+    2 full prompt blocks, so never use more."""
+    workload = Workload("hand", [BenchRequest("0", list(range(10, 20)), 3)])
+    options = dict(model=str(tiny_llama_path), block_size=4, num_kv_blocks=64, max_model_len=64,
+                   attention_backend="torch", enable_prefix_caching=False)  # fmt: skip
+    for width in (2, 3):
+        on = sharing.measure(LLMEngine(EngineConfig(**options)), workload, "beam", width, True)
+        off_engine = LLMEngine(EngineConfig(**options, share_forked_blocks=False))
+        off = sharing.measure(off_engine, workload, "beam", width, False)
+        assert off.peak_blocks == off.request_peak_blocks == 3 * width
+        assert on.peak_blocks <= 2 + width and on.mean_blocks < off.mean_blocks
+        # Both compute the prompt once: a copying fork copies blocks, it does not recompute.
+        assert on.num_prefill_tokens == off.num_prefill_tokens == 10
