@@ -17,6 +17,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 
 from minivllm.async_scheduler import AsyncScheduler
+from minivllm.beam_search import (
+    BeamSearchGroup,
+    BeamSearchGroups,
+    beam_request_id,
+    beams_to_keep,
+)
 from minivllm.config import EngineConfig
 from minivllm.executor import Executor, make_executor
 from minivllm.input_processor import InputProcessor, Prompt
@@ -26,7 +32,7 @@ from minivllm.models.model_files import resolve_model_path
 from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import ModelRunnerOutput, RequestOutput
 from minivllm.parallel_sampling import ParentRequest, ParentRequests
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 from minivllm.scheduler import Scheduler
 from minivllm.scheduler_interface import SchedulerInterface
 from minivllm.scheduler_output import SchedulerOutput
@@ -80,6 +86,7 @@ class LLMEngine:
             tokenizer, self.model_info.eos_token_ids, ex.max_model_len
         )
         self.parent_requests = ParentRequests()  # n > 1: one parent, n child requests
+        self.beam_groups = BeamSearchGroups()  # beam search: one group, its live beams
         self.last_step: SchedulerOutput | None = None  # for walkthroughs
         self.last_stats: StepStats | None = None  # the last step's snapshot, if it ran
         self.step_log: list[StepStats] | None = None  # set to [] to record every step
@@ -133,8 +140,7 @@ class LLMEngine:
         ``params.n > 1`` fans out into ``n`` child requests (parallel_sampling.py) whose
         outputs `step` gathers back under ``request_id``."""
         request_id = str(request_id)
-        if request_id in self.scheduler.requests or request_id in self.parent_requests:
-            raise ValueError(f"request id {request_id!r} is already in flight")
+        self._check_new_request_id(request_id)
         arrival_time = self.clock() if arrival_time is None else arrival_time
         parent = None
         if isinstance(params, SamplingParams) and params.n > self.config.max_num_seqs:
@@ -157,6 +163,58 @@ class LLMEngine:
             self.output_processor.add_request(seq)
             self.scheduler.add_request(seq)
 
+    def _check_new_request_id(self, request_id: str) -> None:
+        if (
+            request_id in self.scheduler.requests
+            or request_id in self.parent_requests
+            or request_id in self.beam_groups
+        ):
+            raise ValueError(f"request id {request_id!r} is already in flight")
+
+    def add_beam_search_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: BeamSearchParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a beam-search request (beam_search.py). `step` reports it once, finished:
+        its ``beam_width`` best beams as ``outputs``, best first. Bad input raises
+        ValueError here; nothing is queued then."""
+        request_id = str(request_id)
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if self.config.scheduling_policy != "continuous" or self.config.async_scheduling:
+            raise ValueError(
+                "beam search needs the continuous scheduling policy without async scheduling"
+            )
+        if params.beam_width > self.config.max_num_seqs:
+            raise ValueError(
+                f"beam_width={params.beam_width} is more than "
+                f"max_num_seqs={self.config.max_num_seqs}: the beams run side by side"
+            )
+        eos_token_ids = self.model_info.eos_token_ids
+        if beams_to_keep(params.beam_width, len(eos_token_ids)) > MAX_LOGPROBS:
+            raise ValueError(
+                f"beam_width={params.beam_width} asks each beam for "
+                f"{beams_to_keep(params.beam_width, len(eos_token_ids))} logprobs with this "
+                f"model's {len(eos_token_ids)} EOS ids, more than {MAX_LOGPROBS}"
+            )
+        self._check_new_request_id(request_id)
+        first_id = beam_request_id(request_id, 0)
+        if first_id in self.scheduler.requests:
+            raise ValueError(f"a beam id of request {request_id!r} is already in flight")
+        arrival_time = self.clock() if arrival_time is None else arrival_time
+        sampling_params = BeamSearchGroup.sampling_params(params, len(eos_token_ids))
+        seq = self.input_processor.process(first_id, prompt, sampling_params, arrival_time)
+        # Beams share blocks through forks; a preempted one finds its shared full blocks
+        # again by their hashes (unless sharing is off: then nothing is shared).
+        seq.shares_prompt = self.config.share_forked_blocks
+        max_tokens = min(params.max_tokens, max(1, self.max_model_len - seq.num_prompt_tokens))
+        group = BeamSearchGroup(request_id, params, seq, eos_token_ids, max_tokens)
+        self.beam_groups.add(group)
+        self.scheduler.add_request(seq)
+
     def abort_request(self, request_id: str | Iterable[str]) -> bool | list[bool]:
         """Stop requests in any state and free their blocks at once.
 
@@ -169,6 +227,10 @@ class LLMEngine:
         parent = self.parent_requests.pop(request_id)
         if parent is not None:  # every child still in flight
             return any([self.abort_request(c) for c in parent.child_ids])
+        group = self.beam_groups.pop(request_id)
+        if group is not None:  # every live beam
+            self.scheduler.finish_requests(group.beam_ids, FinishReason.ABORT)
+            return True
         if request_id not in self.scheduler.requests:
             return False
         self.scheduler.finish_requests(request_id, FinishReason.ABORT)
@@ -223,8 +285,14 @@ class LLMEngine:
 
         outputs = []
         num_prompt_tokens = num_generation_tokens = 0
+        beam_group_of = self.beam_groups.group_of
         for seq in scheduler_output.scheduled_seqs:
             if seq.is_finished:  # async: stopped or aborted after this step was scheduled
+                continue
+            if beam_group_of and seq.request_id in beam_group_of:  # its group decides
+                rows = runner_output.logprobs.get(seq.request_id)
+                if rows:
+                    beam_group_of[seq.request_id].record(seq, rows[0])
                 continue
             new_tokens = runner_output.sampled_token_ids.get(seq.request_id, [])
             num_before = seq.num_output_tokens
@@ -238,12 +306,32 @@ class LLMEngine:
             output = self.output_processor.make_output(seq)
             if output is not None:
                 outputs.append(output)
+        if self.beam_groups.groups:
+            outputs += self._advance_beam_search(now)
         self.last_stats = self.make_stats(
             scheduler_output, start, self.clock(), num_prompt_tokens, num_generation_tokens
         )
         if self.step_log is not None:
             self.step_log.append(self.last_stats)
         return self.parent_requests.gather(outputs)
+
+    def _advance_beam_search(self, now: float) -> list[RequestOutput]:
+        """Each beam-search request whose beams have all reported picks its next beams
+        (beam_search.py); the scheduler finishes the dropped ones and makes the forks.
+        Returns the requests whose search is over."""
+        outputs = []
+        for group in [g for g in self.beam_groups.groups.values() if g.ready]:
+            step = group.step(now)
+            self.beam_groups.update_beams(group, step)
+            if step.dropped:  # pruned: nobody reports them
+                ids = [seq.request_id for seq in step.dropped]
+                self.scheduler.finish_requests(ids, FinishReason.ABORT)
+            for parent, child in step.forks:
+                self.scheduler.fork_request(parent, child)
+            if group.finished:
+                self.beam_groups.pop(group.request_id)
+                outputs.append(group.make_output(self.model_info.tokenizer))
+        return outputs
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix and the hit-rate counters (like vLLM's), e.g. between

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm  # plain text bar: works in terminals and notebooks alike
 
+from minivllm.beam_search import BeamSearchOutput, to_beam_search_output
 from minivllm.chat import chat_prompt
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.input_processor import Prompt
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -77,6 +78,33 @@ class LLM:
             engine.abort_request(request_ids)
             raise
         return self._run_engine(request_ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's `LLM.beam_search`); outputs come back in
+        the prompts' order, each with its ``beam_width`` best beams, best first. The beams
+        share their common past in the KV cache (beam_search.py). All prompts are checked
+        before any is queued."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        engine = self.llm_engine
+        request_ids = []
+        try:
+            for prompt in prompts:
+                request_id = f"{self._request_counter}"
+                self._request_counter += 1
+                engine.add_beam_search_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except Exception:
+            engine.abort_request(request_ids)
+            raise
+        return [to_beam_search_output(o) for o in self._run_engine(request_ids, use_tqdm)]
 
     def chat(
         self,

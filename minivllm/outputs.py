@@ -34,6 +34,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that fired
     logprobs: SampleLogprobs | None = None  # one dict per token id, if the request asked
+    cumulative_logprob: float | None = None  # beam search: the sum of its tokens' logprobs
 
     def finished(self) -> bool:
         return self.finish_reason is not None

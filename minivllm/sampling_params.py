@@ -231,3 +231,46 @@ class SamplingParams:
 def _check_real(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {value!r}")
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search settings (vLLM's ``BeamSearchParams``; `LLM.beam_search`).
+
+    ``beam_width`` beams are kept; each step every beam proposes its most likely next
+    tokens and the best continuations over all beams survive (beam_search.py). A beam
+    ends at EOS (unless ``ignore_eos``) or after ``max_tokens`` tokens; a finished beam's
+    score is ``cum_logprob / num_output_tokens ** length_penalty`` (transformers'), so a
+    ``length_penalty`` above 1 favours longer outputs, below 1 shorter ones.
+    ``temperature`` is accepted for vLLM's signature: beams are chosen from the model's
+    raw log-probabilities (as vLLM v1 returns them), which temperature does not change.
+    Each beam asks for ``2 * beam_width`` logprobs (more with several EOS ids), at most
+    ``MAX_LOGPROBS`` as vLLM's default ``max_logprobs``: so ``beam_width <= 10``.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # vLLM's field; beams stop at EOS only
+
+    def __post_init__(self) -> None:
+        self.beam_width = as_int("beam_width", self.beam_width)
+        self.max_tokens = as_int("max_tokens", self.max_tokens)
+        if not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
+            raise ValueError(
+                f"beam_width must be in [1, {MAX_LOGPROBS // 2}] (each beam asks for "
+                f"2 * beam_width logprobs, at most {MAX_LOGPROBS}), got {self.beam_width}"
+            )
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("temperature", "length_penalty"):
+            _check_real(name, getattr(self, name))
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")

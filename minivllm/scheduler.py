@@ -72,6 +72,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         budget = self._schedule_waiting(out, budget)
+        if out.is_empty and self.waiting and self.running:
+            budget = self._unblock_idle_beams(out, budget)
         if self.proposer is not None:
             self._schedule_drafts(out, budget)
         if not out.is_empty:  # an empty step does not run: its copies wait for the next
@@ -85,6 +87,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new == 0:  # a beam waiting for its siblings' rows (beam_search.py)
+                i += 1
+                continue
             while not self.kv_cache_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -182,6 +187,43 @@ class Scheduler:
             if drafts:
                 self.kv_cache_manager.free_surplus_blocks(seq)
             self.kv_cache_manager.cache_full_blocks(seq)
+
+    def fork_request(self, parent: Sequence, child: Sequence) -> None:
+        """Beam search: ``child`` continues ``parent``'s computed tokens. It shares the
+        parent's blocks (kv_cache_manager.py's `fork`) and runs at once; if the parent
+        holds none (preempted), the batch is full, or the pool cannot give the copies of a
+        fork without sharing, it waits to be computed like a new request instead."""
+        self.requests[child.request_id] = child
+        if (
+            parent.status is SequenceStatus.RUNNING
+            and len(self.running) < self.max_num_seqs
+            and self.kv_cache_manager.fork(parent, child)
+        ):
+            child.status = SequenceStatus.RUNNING
+            child.metrics.first_scheduled_time = self.clock()
+            self.running.append(child)
+        else:
+            self.waiting.append(child)
+
+    def _unblock_idle_beams(self, out: SchedulerOutput, budget: int) -> int:
+        """Beam search's one deadlock: every running sequence is a beam waiting, idle, for
+        a sibling's row, while that sibling waits for room in the pool or the batch.
+        Preempt idle beams, newest first, until the head of the queue is admitted. They go
+        to the back of the queue, not the front: their rows are kept, so recomputing them
+        is no progress, and at the front they would take the room straight back."""
+        # Admission follows even if this step preempted already: nobody left running needs
+        # the room, so `_schedule_waiting`'s rule against it does not apply.
+        preempted, out.preempted = out.preempted, []
+        victims = []
+        while out.is_empty and self.running:
+            victim = self.running.pop()
+            self._preempt(victim)
+            self.waiting.popleft()  # held out of the queue until the head is admitted
+            victims.append(victim)
+            budget = self._schedule_waiting(out, budget)
+        self.waiting.extend(reversed(victims))  # oldest first
+        out.preempted = preempted + victims
+        return budget
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache_manager.free(seq)

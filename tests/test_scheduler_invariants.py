@@ -3,7 +3,9 @@
 A hypothesis `RuleBasedStateMachine` drives the real `LLMEngine` (its `Scheduler`,
 `KVCacheManager`, `BlockAllocator`, input and output processors) and the real
 `ModelRunner.prepare_inputs`, through random arrivals (``n > 1`` requests too: children
-sharing their prompt's blocks), aborts (of a parent: all its children) and steps, with random block
+sharing their prompt's blocks; beam searches: beams forked, sharing blocks copy-on-write,
+dropped and preempted), aborts (of a parent: all its children; of a beam search: all its
+beams) and steps, with random block
 sizes, pool sizes, token budgets, ``max_num_seqs``, and prefix caching on or off. Only the
 executor is fake and instant (`FakeExecutor`): what it "writes" into a cache slot is a
 fingerprint of the token prefix ending there, and before sampling it reads back every
@@ -11,6 +13,8 @@ slot of every scheduled chunk's context through the block table. So a write one 
 a block, a chunk that reads a stale slot, or a prefix-cache hit on the wrong block fails
 at once, without a real model. With speculative decoding on, the fake model accepts a
 random prefix of each request's draft tokens, so every step may roll requests back.
+It runs each step's block copies (copy-on-write) before its writes, as the real runner
+does, so a missing or wrong copy is a stale read; and it gives beams random logprobs.
 
 CI runs the "ci" hypothesis profile (tests/conftest.py); for a longer search run
 ``HYPOTHESIS_PROFILE=deep pytest tests/test_scheduler_invariants.py``.
@@ -36,8 +40,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from minivllm import LLM, EngineConfig, LLMEngine
+from minivllm import LLM, BeamSearchParams, EngineConfig, LLMEngine
 from minivllm.input_batch import InputBatch
+from minivllm.logprobs import compute_logprobs
 from minivllm.model_info import ModelInfo
 from minivllm.model_runner import ModelRunner
 from minivllm.outputs import ModelRunnerOutput
@@ -93,11 +98,12 @@ class FakeExecutor(ModelRunner):
         pass
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._copy_blocks(scheduler_output.blocks_to_copy)
         input_ids, positions, metadata = self.prepare_inputs(scheduler_output)
         input_ids, positions = input_ids.tolist(), positions.tolist()
         slot_mapping = metadata.slot_mapping.tolist()
         starts = metadata.cu_seqlens_q.tolist()
-        sampled = {}
+        sampled, logprobs = {}, {}
         # Like every layer of the real model: the whole step's writes, then the reads (a
         # request admitted in this step may read blocks another one writes in it).
         fingerprints_of = {}
@@ -120,7 +126,21 @@ class FakeExecutor(ModelRunner):
                 is_eos = self.rng.random() < self.eos_prob
                 new_token = EOS if is_eos else self.rng.randrange(1, VOCAB)
                 sampled[seq.request_id] = chunk.draft_token_ids[:num_accepted] + [new_token]
-        return ModelRunnerOutput(sampled)
+                if chunk.sampling_params.logprobs is not None:  # a beam: random logprobs
+                    logits = torch.tensor([[8 * self.rng.random() for _ in range(VOCAB)]])
+                    sampled[seq.request_id] = [int(logits.argmax())]
+                    logprobs[seq.request_id] = compute_logprobs(
+                        logits, sampled[seq.request_id],
+                        [min(chunk.sampling_params.logprobs, VOCAB)],
+                    )  # fmt: skip
+        return ModelRunnerOutput(sampled, logprobs)
+
+    def _copy_blocks(self, blocks_to_copy):
+        """Copy-on-write: every source read before any target is written, as the runner."""
+        bs = self.block_size
+        contents = [self.slots[src * bs : (src + 1) * bs] for src, _ in blocks_to_copy]
+        for (_, dst), content in zip(blocks_to_copy, contents):
+            self.slots[dst * bs : (dst + 1) * bs] = content
 
     def _write(self, seq, token_id, pos, slot, tokens, fingerprints):
         block_id = slot // self.block_size
@@ -176,6 +196,8 @@ class EngineUnderTest:
         self.finished: list[Sequence] = []
         self.last_hits: list[Sequence] = []  # admitted by the last step with a prefix hit
         self.children: dict[str, list[Sequence]] = {}  # n > 1: parent id -> its children
+        self.beam_searches: dict[str, BeamSearchParams] = {}  # beam search: id -> params
+        self.beam_outputs: dict[str, object] = {}  # finished beam searches' outputs
 
     def record_decision_before_update(self) -> None:
         """Keep a deep copy of each step's decision as the model saw it, taken just before
@@ -215,15 +237,30 @@ class EngineUnderTest:
         self.children[str(request_id)] = children
         return children
 
+    def add_beam_search(self, request_id, prompt: list[int], params: BeamSearchParams) -> None:
+        self.engine.add_beam_search_request(request_id, {"prompt_token_ids": prompt}, params)
+        self.beam_searches[str(request_id)] = params
+
+    def live_beams(self, request_id: str | None = None) -> list[Sequence]:
+        """The live beams of one beam search, or of all."""
+        groups = self.engine.beam_groups.groups
+        chosen = [groups[request_id]] if request_id is not None else groups.values()
+        return [beam.seq for group in chosen for beam in group.beams]
+
     def in_flight(self) -> list[str]:
-        """The ids a caller holds: ``n = 1`` requests and parents with a child in flight."""
+        """The ids a caller holds: ``n = 1`` requests, parents with a child in flight and
+        beam searches."""
         child_ids = {c.request_id for cs in self.children.values() for c in cs}
+        child_ids |= set(self.engine.beam_groups.group_of)
         parents = [p for p, cs in self.children.items() if not all(c.is_finished for c in cs)]
-        return sorted(set(self.requests) - child_ids) + sorted(parents)
+        searches = list(self.engine.beam_groups.groups)
+        return sorted(set(self.requests) - child_ids) + sorted(parents) + sorted(searches)
 
     def abort(self, request_id) -> bool:
         children = self.children.get(str(request_id))
         seqs = [s for s in children if not s.is_finished] if children else []
+        if str(request_id) in self.engine.beam_groups:
+            seqs = self.live_beams(str(request_id))
         seqs = seqs or [self.requests.get(str(request_id))]
         if not self.engine.abort_request(request_id):
             return False
@@ -232,6 +269,8 @@ class EngineUnderTest:
 
     def step(self) -> SchedulerOutput:
         waiting = set(self.scheduler.waiting)
+        beams_before = self.live_beams()
+        searches_before = list(self.engine.beam_groups.groups)
         self.engine.executor.begin_step()
         outputs = self.engine.step()
         scheduled = self.engine.last_step
@@ -240,11 +279,23 @@ class EngineUnderTest:
         self.last_hits = [
             s for s in scheduled.scheduled_seqs if s in waiting and s.num_cached_tokens
         ]
-        done = [s for s in scheduled.scheduled_seqs if s.is_finished]
-        assert [o.request_id for o in outputs if o.finished] == self.reported_ids(done)
+        beams = set(beams_before)
+        done = [s for s in scheduled.scheduled_seqs if s.is_finished and s not in beams]
+        # Beam searches report once, after the other requests of the step, when over.
+        ended = [r for r in searches_before if r not in self.engine.beam_groups]
+        assert [o.request_id for o in outputs if o.finished] == self.reported_ids(done) + ended
         for seq in done:
             check_stop_rules(seq, self.max_model_len)
+        for output in outputs:
+            if output.request_id in ended:
+                check_beam_output(output, self.beam_searches[output.request_id])
+                self.beam_outputs[output.request_id] = output
         self.finished += done
+        # Dropped beams are finished; forked ones are new sequences of their search.
+        live = set(self.live_beams())
+        self.finished += [seq for seq in beams_before if seq not in live]
+        for seq in live - beams:
+            self.arrival_order[seq] = len(self.arrival_order)
         return scheduled
 
     def reported_ids(self, done: list[Sequence]) -> list[str]:
@@ -265,6 +316,8 @@ class EngineUnderTest:
         # The oldest running request is never preempted, and it advances every step, so
         # each request needs at most max_model_len steps once it is the oldest.
         bound = len(self.requests) * self.max_model_len + 1
+        for request_id, group in self.engine.beam_groups.groups.items():  # each decision
+            bound += group.params.beam_width * self.max_model_len * (group.max_tokens + 1)
         for num_steps in range(bound):
             if not self.engine.has_unfinished_requests():
                 return num_steps
@@ -302,8 +355,10 @@ def check_pool(engine: EngineUnderTest) -> None:
     assert allocator.num_free_blocks + allocator.num_used_blocks == allocator.num_blocks
     for block_hash, block_id in allocator.cached_block_ids.items():
         assert allocator.block_hashes[block_id] == block_hash
-    if not engine.kv_cache_manager.enable_prefix_caching and not engine.children:
-        assert allocator.num_cached_blocks == 0  # only n > 1 siblings hash without it
+    if not engine.kv_cache_manager.enable_prefix_caching and not (
+        engine.children or engine.beam_searches
+    ):
+        assert allocator.num_cached_blocks == 0  # only n > 1 siblings and beams hash without it
     for seq in engine.finished:
         assert seq.block_table == [] and seq.is_finished
 
@@ -332,8 +387,33 @@ def check_sequences(engine: EngineUnderTest) -> None:
     assert len(scheduler.running) <= scheduler.max_num_seqs
     in_flight = scheduler.running + list(scheduler.waiting)
     assert set(in_flight) == set(engine.requests.values())
-    arrivals = [engine.arrival_order[seq] for seq in in_flight]
+    # Beams join whenever they are forked (as the newest): the order is the others'.
+    beams = engine.engine.beam_groups.group_of
+    arrivals = [engine.arrival_order[seq] for seq in in_flight if seq.request_id not in beams]
     assert arrivals == sorted(arrivals), "a request overtook an earlier one"
+    assert set(beams) == {seq.request_id for seq in engine.live_beams()}
+    assert set(beams) <= set(engine.requests)  # every live beam is a request in flight
+
+
+def check_beam_output(output, params: BeamSearchParams) -> None:
+    """A finished beam search: at most ``beam_width`` beams, best first by the
+    length-penalized score, each with one logprobs dict per token whose chosen entries sum
+    to its cum_logprob; EOS only as a last token, and then its finish reason is "stop"."""
+    assert 1 <= len(output.outputs) <= params.beam_width and output.finished
+    scores = []
+    for completion in output.outputs:
+        tokens = completion.token_ids
+        assert 1 <= len(tokens) <= params.max_tokens
+        assert len(completion.logprobs) == len(tokens)
+        chosen = sum(row[t].logprob for t, row in zip(tokens, completion.logprobs))
+        assert completion.cumulative_logprob == pytest.approx(chosen, abs=1e-3)
+        ends_with_eos = tokens[-1] == EOS and not params.ignore_eos
+        assert EOS not in tokens[:-1] or params.ignore_eos
+        assert completion.finish_reason == ("stop" if ends_with_eos else "length")
+        scores.append(completion.cumulative_logprob / len(tokens) ** params.length_penalty)
+    assert scores == sorted(scores, reverse=True) or scores == pytest.approx(
+        sorted(scores, reverse=True), abs=1e-3
+    )
 
 
 def check_stop_rules(seq: Sequence, max_model_len: int) -> None:
@@ -361,7 +441,10 @@ def check_step(engine: EngineUnderTest, scheduled: SchedulerOutput) -> None:
     assert len(scheduled.scheduled_seqs) <= scheduler.max_num_seqs
     assert len(set(scheduled.scheduled_seqs)) == len(scheduled.scheduled_seqs)
     assert all(n >= 1 for n in scheduled.num_scheduled_tokens.values())
-    assert not set(scheduled.scheduled_seqs) & set(scheduled.preempted)
+    # Nobody is preempted and readmitted in one step, but when every sequence still
+    # running is an idle beam: they are preempted until the head of the queue is admitted.
+    if set(scheduled.scheduled_seqs) & set(scheduled.preempted):
+        assert any(seq.request_id.startswith("beam") for seq in scheduled.preempted)
 
 
 # One request: (which shared prefix or None, how much of it, random suffix length,
@@ -453,6 +536,34 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.engine.add_parallel(self.num_added, prompt, n, max_tokens)
         self.num_added += 1
 
+    @rule(
+        shared_prefix=st.sampled_from([None, 0, 1]),
+        suffix_len=st.integers(1, 12),
+        beam_width=st.integers(1, 4),
+        max_tokens=st.integers(1, 10),
+        ignore_eos=st.booleans(),
+        length_penalty=st.sampled_from([1.0, 0.0, 2.0]),
+    )
+    def add_beam_search(
+        self, shared_prefix, suffix_len, beam_width, max_tokens, ignore_eos, length_penalty
+    ):
+        """Beam search: beams forked (sharing blocks, copy-on-write) and dropped."""
+        prefix = [] if shared_prefix is None else self.shared_prefixes[shared_prefix]
+        prompt = prefix + [self.rng.randrange(VOCAB) for _ in range(suffix_len)]
+        prompt = prompt[: self.engine.max_model_len]
+        params = BeamSearchParams(beam_width, max_tokens, ignore_eos, 0.0, length_penalty)
+        if beam_width > self.engine.scheduler.max_num_seqs:  # refused, nothing changes
+            before = (set(self.engine.requests), self.engine.kv_cache_manager.num_free_blocks)
+            with pytest.raises(ValueError, match="max_num_seqs"):
+                self.engine.add_beam_search(self.num_added, prompt, params)
+            after = (set(self.engine.requests), self.engine.kv_cache_manager.num_free_blocks)
+            assert after == before
+            return
+        self.engine.add_beam_search(self.num_added, prompt, params)
+        for seq in self.engine.live_beams(str(self.num_added)):
+            self.engine.arrival_order[seq] = len(self.engine.arrival_order)
+        self.num_added += 1
+
     @rule(bad=BAD_REQUEST)
     def add_bad_request(self, bad):
         prompt, kwargs = bad
@@ -465,10 +576,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.engine.requests)
     @rule(data=st.data())
     def abort_request(self, data):
-        """Abort an ``n = 1`` request or a parent (every child of it still in flight)."""
+        """Abort an ``n = 1`` request, a parent (every child of it still in flight) or a
+        beam search (every live beam)."""
         request_id = data.draw(st.sampled_from(self.engine.in_flight()))
         children = self.engine.children.get(request_id)
         seqs = [s for s in children if not s.is_finished] if children else []
+        if request_id in self.engine.engine.beam_groups:
+            seqs = self.engine.live_beams(request_id)
         seqs = seqs or [self.engine.requests[request_id]]
         request_id = data.draw(st.sampled_from([request_id, int(request_id)]))
         allocator = self.engine.kv_cache_manager.allocator
@@ -507,10 +621,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             REACHED["chunked prefill"] += 1
         for seq in self.engine.last_hits:
             event("prefix hit" + (" after a preemption" if seq.metrics.num_preemptions else ""))
-            if seq.shares_prompt and not seq.metrics.num_preemptions:
+            is_beam = seq.request_id.startswith("beam")  # beams hash too: not siblings
+            if seq.shares_prompt and not seq.metrics.num_preemptions and not is_beam:
                 REACHED["sibling shares the prompt"] += 1
-        if any(seq.shares_prompt for seq in scheduled.preempted):
+        beams = self.engine.engine.beam_groups.group_of
+        if any(seq.shares_prompt and seq.request_id not in beams for seq in scheduled.preempted):
             REACHED["child preempted"] += 1
+        if any(seq.request_id in beams for seq in scheduled.preempted):
+            REACHED["beam preempted"] += 1
+        if scheduled.blocks_to_copy:
+            event("copy-on-write")
+            REACHED["copy-on-write"] += 1
+        if self.engine.beam_outputs:
+            REACHED["beam search finished"] += 1
 
     @rule()
     def run_to_completion(self):
@@ -542,6 +665,7 @@ def test_scheduler_machine():
     run_state_machine_as_test(SchedulerMachine, settings=SchedulerMachine.TestCase.settings)
     assert REACHED["preemption"] > 0 and REACHED["chunked prefill"] > 0, REACHED
     assert REACHED["sibling shares the prompt"] > 0, REACHED
+    assert REACHED["copy-on-write"] > 0 and REACHED["beam search finished"] > 0, REACHED
     # A preempted child is reached by most runs but not all (one full-suite run saw none),
     # so it is pinned down deterministically instead: test_parallel_sampling.py's
     # test_preempting_children_never_corrupts_a_siblings_shared_blocks.
