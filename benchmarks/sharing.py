@@ -28,6 +28,8 @@ that nothing is preempted. Per row:
   at once (up to ``num_prompts * k`` sequences a step).
 
 The block columns do not depend on the model for ``n`` (EOS is ignored), nor on the clock.
+The default run takes about 6 minutes of CPU time with SmolLM2-135M (``--lengths alpaca``
+about 1); the PagedAttention chapter shows its table beside the paper's numbers.
 """
 
 from __future__ import annotations
