@@ -75,6 +75,10 @@ def slot_mapping(seq: Sequence, start: int, num_new: int) -> torch.Tensor:
 
 def compute(seq: Sequence, num_new: int) -> None:
     assert manager.allocate_slots(seq, num_new), "pool is full"
+    # Block copies the manager asked for (a fork's copy-on-write, at the end of this
+    # notebook) happen before any new token is written, as the model runner does them.
+    for src, dst in manager.take_blocks_to_copy():
+        key_cache[dst], value_cache[dst] = key_cache[src], value_cache[src]
     start = seq.num_computed_tokens
     slots = slot_mapping(seq, start, num_new)
     tokens = torch.tensor(seq.token_ids[start : start + num_new], dtype=torch.float32)
@@ -251,6 +255,156 @@ print("after D and C leave: free blocks", manager.num_free_blocks, "of", NUM_BLO
 assert manager.num_free_blocks == NUM_BLOCKS
 
 # %% [markdown]
+# ## Forking a sequence: beams share their past
+#
+# Beam search keeps `k` candidate continuations (beams) of one prompt. At every step each
+# beam proposes its best next tokens, the best `k` of all proposals survive, and a beam
+# whose proposals win twice **forks** in two. The two beams have the same past: same
+# tokens, hence the same keys and values. PagedAttention (section 4.4 of the paper) does
+# not copy that past. `KVCacheManager.fork(parent, child)` gives the child the parent's
+# whole block table, the last, *partly filled* block included, and adds one reference to
+# every block.
+#
+# The new tokens must not be written into a block someone else still reads. So the first
+# beam to write into the shared partial block gets a fresh block instead, with the old
+# block's contents copied in: **copy-on-write**. `allocate_slots` notices the shared last
+# block (reference count above 1), takes a free block, drops one reference to the old one
+# and records the copy `(src, dst)` in `blocks_to_copy`; the model runner copies the block
+# in every layer before the step's forward (`compute` above does it for our stand-in
+# cache). Full blocks are never written again, so they are never copied.
+#
+# A 6-token prompt, computed into one full block and one half-full block:
+
+
+# %%
+def ref_counts(seqs: list[Sequence]) -> dict[int, int]:
+    """Reference count of every block the sequences hold, in block table order."""
+    blocks = dict.fromkeys(b for seq in seqs for b in seq.block_table)
+    return {b: manager.allocator.ref_counts[b] for b in blocks}
+
+
+def snapshot(title: str, seqs: list[Sequence]) -> dict:
+    """What the figure below draws: each block table, each block's count and contents."""
+    counts = ref_counts(seqs)
+    written = dict.fromkeys(counts, 0)  # slots a holder has computed; the rest is stale
+    for seq in seqs:
+        for j, b in enumerate(seq.block_table):
+            written[b] = max(written[b], min(BLOCK_SIZE, seq.num_computed_tokens - j * BLOCK_SIZE))
+    return {
+        "title": title,
+        "tables": {seq.request_id: list(seq.block_table) for seq in seqs},
+        "ref_counts": counts,
+        "tokens": {b: key_cache[b, : written[b], 0, 0].tolist() for b in counts},
+    }
+
+
+beam_0 = new_request("beam 0", first_token=10, prompt_len=6)
+compute(beam_0, beam_0.num_uncomputed_tokens)
+print("beam 0 blocks", beam_0.block_table, " ref counts", ref_counts([beam_0]))
+snapshots = [snapshot("1. the prompt is computed", [beam_0])]
+
+# %% [markdown]
+# The prompt's logits give two good first tokens, 16 and 26: the beam forks. Nothing is
+# copied and nothing is allocated; every block now has two holders.
+
+# %%
+free_before = manager.num_free_blocks
+beam_1 = Sequence("beam 1", beam_0.token_ids[:6], SamplingParams())
+assert manager.fork(beam_0, beam_1)
+beam_0.token_ids.append(16)  # each beam's own next token, not computed yet
+beam_1.token_ids.append(26)
+print("beam 0 blocks", beam_0.block_table, " beam 1 blocks", beam_1.block_table)
+print("ref counts", ref_counts([beam_0, beam_1]), " blocks allocated by the fork:",
+      free_before - manager.num_free_blocks)  # fmt: skip
+snapshots.append(snapshot("2. fork: one table more, every count + 1", [beam_0, beam_1]))
+
+# %% [markdown]
+# Beam 0 computes its token 16, at position 6: inside the shared half-full block. It gets
+# a copy of that block, writes there, and the original keeps beam 1's view. Then beam 1
+# computes its token 26: it is now the only holder of the original block, so it writes in
+# place, with no copy.
+
+# %%
+shared_partial = beam_0.block_table[-1]
+compute(beam_0, 1)
+print("beam 0 blocks", beam_0.block_table, " (copy of block", shared_partial, ")")
+compute(beam_1, 1)
+print("beam 1 blocks", beam_1.block_table, " (wrote in place)")
+print("ref counts", ref_counts([beam_0, beam_1]))
+assert beam_0.block_table[0] == beam_1.block_table[0]  # the full block: still shared
+assert beam_0.block_table[1] != beam_1.block_table[1]
+snapshots.append(snapshot("3. copy-on-write: beam 0 writes into a copy", [beam_0, beam_1]))
+
+
+# %% [markdown]
+# The three states side by side: the block tables on top, the blocks below with their
+# reference counts and the token ids our stand-in cache holds in each slot.
+
+
+# %% tags=["figure-beam-fork"]
+def draw_fork(snapshots: list[dict]) -> None:
+    width = max(len(snap["ref_counts"]) for snap in snapshots) * (BLOCK_SIZE + 1)
+    fig, axes = plt.subplots(1, len(snapshots), figsize=(4.6 * len(snapshots), 2.9))
+    for ax, snap in zip(axes, snapshots, strict=True):
+        ax.set_title(snap["title"], fontsize=10)
+        ax.axis("off")
+        ax.set_xlim(-2.2, width)
+        ax.set_ylim(-2.2, 2.1)
+        for row, (name, table) in enumerate(snap["tables"].items()):
+            y = 1.2 - row
+            ax.text(-0.2, y + 0.35, name, ha="right", va="center", color=COLORS[row])
+            for j, b in enumerate(table):
+                x = j * (BLOCK_SIZE + 1)
+                ax.add_patch(Rectangle((x, y), BLOCK_SIZE, 0.7, fc=COLORS[row], alpha=0.35,
+                                       ec="k"))  # fmt: skip
+                ax.text(x + BLOCK_SIZE / 2, y + 0.35, f"→ block {b}", ha="center", va="center")
+        ax.text(-0.2, -1.0, "pool", ha="right", va="center", color="0.3")
+        for i, (b, count) in enumerate(snap["ref_counts"].items()):
+            x, y = i * (BLOCK_SIZE + 1), -1.4
+            tokens = snap["tokens"][b]
+            for slot in range(BLOCK_SIZE):
+                ax.add_patch(Rectangle((x + slot, y), 1, 0.8, fc="white", ec="k", lw=0.5))
+                if slot < len(tokens):
+                    ax.text(x + slot + 0.5, y + 0.4, int(tokens[slot]), ha="center",
+                            va="center", fontsize=8)  # fmt: skip
+            ax.text(x + BLOCK_SIZE / 2, y - 0.4, f"block {b}: ref {count}", ha="center",
+                    fontsize=9, color="tab:red" if count > 1 else "k")  # fmt: skip
+    fig.suptitle("Two beams fork: block tables and reference counts", fontsize=11)
+    plt.tight_layout()
+    plt.show()
+
+
+draw_fork(snapshots)
+
+# %% [markdown]
+# When beam search drops a beam, it frees it like any finished request: each of its blocks
+# loses one reference, and only blocks nobody else holds go back to the pool.
+
+# %%
+manager.free(beam_1)
+print("after beam 1 is dropped: ref counts", ref_counts([beam_0]),
+      " free", manager.num_free_blocks, "of", NUM_BLOCKS)  # fmt: skip
+manager.free(beam_0)
+assert manager.num_free_blocks == NUM_BLOCKS
+
+# %% [markdown]
+# What sharing saves grows with the width. Fork one 9-token prompt into 4 beams, once
+# sharing blocks and once with `share_forked_blocks=False`, which copies every block on a
+# fork, as a cache without shared paging must:
+
+# %%
+for share in (True, False):
+    pool = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, share_forked_blocks=share)
+    root = new_request("root", first_token=10, prompt_len=9)
+    assert pool.allocate_slots(root, 9)
+    root.num_computed_tokens = 9
+    for i in range(1, 4):
+        assert pool.fork(root, Sequence(f"beam {i}", root.token_ids, SamplingParams()))
+    print(f"share_forked_blocks={share}: 4 beams hold {pool.allocator.num_used_blocks} "
+          f"blocks, {len(pool.take_blocks_to_copy())} copied")  # fmt: skip
+
+
+# %% [markdown]
 # ## Paged vs contiguous reservation
 #
 # A traditional server does not know how long an answer will be, so it reserves a
@@ -329,6 +483,8 @@ plt.show()
 # - Token `pos` of a request lives at slot
 #   `block_table[pos // block_size] * block_size + pos % block_size`.
 # - Joining, growing, leaving and sharing only edit block tables and reference counts.
+# - A fork shares every block of its parent; the one shared partly filled block is copied
+#   when one of the two first writes into it (copy-on-write).
 # - Waste is bounded by one partly filled block per request, instead of the unused part of
 #   a `max_model_len` reservation.
 #
