@@ -222,12 +222,15 @@ class LLMEngine:
 
         outputs = []
         num_prompt_tokens = num_generation_tokens = 0
+        sampled_token_ids = runner_output.sampled_token_ids
+        has_logprobs = bool(runner_output.logprobs or runner_output.prompt_logprobs)
         for seq in scheduler_output.scheduled_seqs:
             if seq.is_finished:  # async: stopped or aborted after this step was scheduled
                 continue
-            new_tokens = runner_output.sampled_token_ids.get(seq.request_id, [])
+            new_tokens = sampled_token_ids.get(seq.request_id, ())
             num_before = seq.num_output_tokens
-            self.output_processor.record_logprobs(seq, runner_output)
+            if has_logprobs:
+                self.output_processor.record_logprobs(seq, runner_output)
             stop = self.output_processor.append_tokens(seq, new_tokens, now)
             if num_before == 0 and seq.num_output_tokens > 0:  # its prefill is complete
                 num_prompt_tokens += seq.num_prompt_tokens
