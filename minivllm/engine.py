@@ -4,13 +4,15 @@ processor (vLLM's ``LLMEngine`` + ``EngineCore``, in one object).
 One `step()` = schedule, execute the model once on the flattened batch, advance the KV
 bookkeeping, append the sampled tokens, retire finished requests, report progress.
 Requests can be added or aborted between any two steps; that is all "continuous
-batching" needs from the outside. With ``async_scheduling``, a step's batch runs on a
-worker thread while the next is scheduled, and `step()` reports the batch before it
-(async_scheduler.py).
+batching" needs from the outside. With async scheduling (on by default wherever it is
+supported: `EngineConfig.use_async_scheduling`), a step's batch runs on a worker thread
+while the next is scheduled, and `step()` reports the batch before it
+(async_scheduler.py); ``async_scheduling=False`` makes every `step()` report itself.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,6 +38,8 @@ from minivllm.static_scheduler import StaticBatchScheduler
 from minivllm.stats import StepStats
 
 __all__ = ["LLMEngine", "Prompt"]
+
+logger = logging.getLogger("minivllm.engine")
 
 
 class LLMEngine:
@@ -84,7 +88,9 @@ class LLMEngine:
         self.step_log: list[StepStats] | None = None  # set to [] to record every step
         # Async scheduling: the step running on the worker thread while the next is
         # scheduled, with the time its `step` call began.
-        self.step_worker = ThreadPoolExecutor(1) if config.async_scheduling else None
+        self.step_worker = ThreadPoolExecutor(1) if config.use_async_scheduling else None
+        if config.async_scheduling is None and not config.use_async_scheduling:
+            logger.info("async scheduling off: %s", config.async_scheduling_unsupported)
         self.in_flight: tuple[SchedulerOutput, Future, float] | None = None
 
     @classmethod
@@ -103,7 +109,7 @@ class LLMEngine:
             proposer = NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
             )
-        scheduler_cls = AsyncScheduler if c.async_scheduling else Scheduler
+        scheduler_cls = AsyncScheduler if c.use_async_scheduling else Scheduler
         return scheduler_cls(
             self.kv_cache_manager, c.max_num_seqs, c.max_num_batched_tokens, self.clock,
             self.max_model_len, proposer,

@@ -161,6 +161,9 @@ class EngineUnderTest:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             speculative_config=speculative_config,
+            # The synchronous scheduler's invariants (what holds between two steps); its
+            # fake executor fills in no placeholders.
+            async_scheduling=False,
         )
         executor = FakeExecutor(num_blocks, block_size, rng, eos_prob)
         # What the engine's front end knows of this model: any id is a prompt token.
