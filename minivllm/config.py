@@ -85,7 +85,8 @@ class EngineConfig:
     the cache from ``kv_cache_memory_bytes``; ``max_model_len=None`` takes the model's
     limit, capped by what the cache can hold. ``enable_prefix_caching=None`` means vLLM
     v1's default: on, unless the scheduling policy is static (which has no paged cache to
-    share blocks in).
+    share blocks in). ``async_scheduling=None`` likewise means vLLM's default: on wherever
+    it is supported (`use_async_scheduling`).
 
     A field's ``help`` is its documentation; the command line turns every field into a
     ``--flag`` (``minivllm/entrypoints/cli_args.py``), so this module knows nothing of it.
@@ -149,7 +150,8 @@ class EngineConfig:
         metadata={
             "help": "schedule step N+1 while step N runs, its decodes' input tokens filled in "
             "from step N's samples (vLLM's async scheduling; default: on wherever it is "
-            "supported: continuous policy, no speculative decoding, one process)"
+            "supported: continuous policy, no speculative decoding, one process, not "
+            "numba-cuda)"
         },
     )
 
