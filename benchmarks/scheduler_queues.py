@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=96,
         attention_backend="torch",
         enable_prefix_caching=False,  # the chapter's preempted request recomputes its tokens
+        async_scheduling=False,  # the queues after each step, as that step left them
     )
     rows = trace(LLMEngine(config), args.steps)
     print(markdown(rows, config.max_num_batched_tokens))

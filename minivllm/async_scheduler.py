@@ -9,6 +9,12 @@ placeholder, which the model runner replaces with its own last sample before the
 runs. `update_from_output` only retires the placeholder: the output processor appends the
 real token as usual. A request that stops on step N's token has been scheduled in step
 N+1 already; the engine throws that step's token away (vLLM does the same).
+
+It is on by default wherever it is supported, as in vLLM: `EngineConfig.use_async_scheduling`
+decides, and `async_scheduling_unsupported` says why not (the static policy, speculative
+decoding, tensor parallelism, the numba-cuda backend). What it hides of the engine's CPU
+time per step is measured in docs/tutorial/what-a-gpu-would-do.md, "The engine's own time
+per step".
 """
 
 from __future__ import annotations

@@ -85,7 +85,8 @@ class EngineConfig:
     the cache from ``kv_cache_memory_bytes``; ``max_model_len=None`` takes the model's
     limit, capped by what the cache can hold. ``enable_prefix_caching=None`` means vLLM
     v1's default: on, unless the scheduling policy is static (which has no paged cache to
-    share blocks in).
+    share blocks in). ``async_scheduling=None`` likewise means vLLM's default: on wherever
+    it is supported (`use_async_scheduling`).
 
     A field's ``help`` is its documentation; the command line turns every field into a
     ``--flag`` (``minivllm/entrypoints/cli_args.py``), so this module knows nothing of it.
@@ -153,12 +154,13 @@ class EngineConfig:
             "(default: off)"
         },
     )
-    async_scheduling: bool = field(
-        default=False,
+    async_scheduling: bool | None = field(
+        default=None,
         metadata={
             "help": "schedule step N+1 while step N runs, its decodes' input tokens filled in "
-            "from step N's samples (vLLM's async scheduling; continuous policy, no "
-            "speculative decoding, one process)"
+            "from step N's samples (vLLM's async scheduling; default: on wherever it is "
+            "supported: continuous policy, no speculative decoding, one process, not "
+            "numba-cuda)"
         },
     )
 
@@ -219,24 +221,46 @@ class EngineConfig:
             )
 
     def _check_async_scheduling(self) -> None:
-        """Async scheduling schedules a decode before its input token is known, which only
-        the continuous scheduler's bookkeeping allows; draft tokens are proposed from the
-        known tokens (vLLM refused them with it at first too); and the token is filled in
-        by the model runner that sampled it, which tensor-parallel ranks but the first are not."""
-        if not isinstance(self.async_scheduling, bool):
+        """``async_scheduling=None`` (the default) means: on wherever it is supported, as in
+        vLLM; `use_async_scheduling` says what the engine does. Asked for explicitly where it
+        is not supported, it is refused here, with the reason."""
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(
-                f"async_scheduling must be True or False, got {self.async_scheduling!r}"
+                f"async_scheduling must be True, False or None, got {self.async_scheduling!r}"
             )
-        if not self.async_scheduling:
-            return
+        reason = self.async_scheduling_unsupported
+        if self.async_scheduling and reason is not None:
+            raise ValueError(f"async_scheduling=True is not supported here: {reason}")
+
+    @property
+    def async_scheduling_unsupported(self) -> str | None:
+        """Why async scheduling cannot run with these settings, or None where it can. It
+        schedules a decode before its input token is known, which only the continuous
+        scheduler's bookkeeping allows; draft tokens are proposed from the known tokens
+        (vLLM refused them with it at first too); and the token is filled in by the model
+        runner that sampled it, which tensor-parallel ranks but the first are not. The model
+        then runs on the engine's step worker thread: the numba-cuda backend is left out,
+        as numba's CUDA simulator keeps its simulated threads' state per Python thread and
+        failed there."""
         if self.scheduling_policy != "continuous":
-            raise ValueError("async_scheduling needs the continuous scheduling policy")
+            return "async_scheduling needs the continuous scheduling policy"
         if self.speculative_config is not None:
-            raise ValueError("async_scheduling does not support speculative decoding yet")
+            return "async_scheduling does not support speculative decoding yet"
         if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"async_scheduling needs tensor_parallel_size=1, got {self.tensor_parallel_size}"
-            )
+            return f"async_scheduling needs tensor_parallel_size=1, got {self.tensor_parallel_size}"
+        if self.attention_backend == "numba-cuda":
+            return "async_scheduling is not supported with the numba-cuda attention backend"
+        return None
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        """Whether the engine schedules asynchronously: as asked, or by default wherever it
+        is supported (the one place that decides; `async_scheduling_unsupported` says why
+        not). The field keeps what was asked, so that a copy with another policy decides
+        again."""
+        if self.async_scheduling is None:
+            return self.async_scheduling_unsupported is None
+        return self.async_scheduling
 
     def _check_devices_for_ranks(self) -> None:
         """On CUDA each tensor-parallel rank takes its own GPU, cuda:0 to cuda:tp-1."""

@@ -4,13 +4,15 @@ processor (vLLM's ``LLMEngine`` + ``EngineCore``, in one object).
 One `step()` = schedule, execute the model once on the flattened batch, advance the KV
 bookkeeping, append the sampled tokens, retire finished requests, report progress.
 Requests can be added or aborted between any two steps; that is all "continuous
-batching" needs from the outside. With ``async_scheduling``, a step's batch runs on a
-worker thread while the next is scheduled, and `step()` reports the batch before it
-(async_scheduler.py).
+batching" needs from the outside. With async scheduling (on by default wherever it is
+supported: `EngineConfig.use_async_scheduling`), a step's batch runs on a worker thread
+while the next is scheduled, and `step()` reports the batch before it
+(async_scheduler.py); ``async_scheduling=False`` makes every `step()` report itself.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +44,8 @@ from minivllm.static_scheduler import StaticBatchScheduler
 from minivllm.stats import StepStats
 
 __all__ = ["LLMEngine", "Prompt"]
+
+logger = logging.getLogger("minivllm.engine")
 
 
 class LLMEngine:
@@ -92,7 +96,9 @@ class LLMEngine:
         self.step_log: list[StepStats] | None = None  # set to [] to record every step
         # Async scheduling: the step running on the worker thread while the next is
         # scheduled, with the time its `step` call began.
-        self.step_worker = ThreadPoolExecutor(1) if config.async_scheduling else None
+        self.step_worker = ThreadPoolExecutor(1) if config.use_async_scheduling else None
+        if config.async_scheduling is None and not config.use_async_scheduling:
+            logger.info("async scheduling off: %s", config.async_scheduling_unsupported)
         self.in_flight: tuple[SchedulerOutput, Future, float] | None = None
 
     @classmethod
@@ -111,7 +117,7 @@ class LLMEngine:
             proposer = NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
             )
-        scheduler_cls = AsyncScheduler if c.async_scheduling else Scheduler
+        scheduler_cls = AsyncScheduler if c.use_async_scheduling else Scheduler
         return scheduler_cls(
             self.kv_cache_manager, c.max_num_seqs, c.max_num_batched_tokens, self.clock,
             self.max_model_len, proposer,
@@ -184,10 +190,8 @@ class LLMEngine:
         request_id = str(request_id)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
-        if self.config.scheduling_policy != "continuous" or self.config.async_scheduling:
-            raise ValueError(
-                "beam search needs the continuous scheduling policy without async scheduling"
-            )
+        if self.config.scheduling_policy != "continuous":
+            raise ValueError("beam search needs the continuous scheduling policy")
         if params.beam_width > self.config.max_num_seqs:
             raise ValueError(
                 f"beam_width={params.beam_width} is more than "
@@ -251,9 +255,15 @@ class LLMEngine:
         """Schedule one batch, run it, and report every request that made progress.
 
         With async scheduling, the batch runs on a worker thread and the step reports the
-        batch before it, which ran while this one was scheduled (async_scheduler.py)."""
-        if self.step_worker is not None:
+        batch before it, which ran while this one was scheduled (async_scheduler.py).
+        While a beam search is in flight, steps do not overlap: its beams are chosen from a
+        step's logprobs, so the next step cannot be scheduled before they are known. The
+        step in flight is finished first; then each step runs and reports itself (the
+        async scheduler's one-step-ahead bookkeeping is settled by then)."""
+        if self.step_worker is not None and not self.beam_groups.groups:
             return self._step_async()
+        if self.in_flight is not None:
+            return self._finish_in_flight()
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
         self.last_step, self.last_stats = scheduler_output, None
@@ -277,6 +287,11 @@ class LLMEngine:
         previous_output, future, previous_start = previous
         return self._process_output(previous_output, future.result(), previous_start)
 
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """Wait for the step on the worker thread and report it; nothing is scheduled."""
+        (scheduler_output, future, start), self.in_flight = self.in_flight, None
+        return self._process_output(scheduler_output, future.result(), start)
+
     def _process_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, start: float
     ) -> list[RequestOutput]:
@@ -288,6 +303,8 @@ class LLMEngine:
         outputs = []
         num_prompt_tokens = num_generation_tokens = 0
         beam_group_of = self.beam_groups.group_of
+        sampled_token_ids = runner_output.sampled_token_ids
+        has_logprobs = bool(runner_output.logprobs or runner_output.prompt_logprobs)
         for seq in scheduler_output.scheduled_seqs:
             if seq.is_finished:  # async: stopped or aborted after this step was scheduled
                 continue
@@ -296,9 +313,10 @@ class LLMEngine:
                 if rows:
                     beam_group_of[seq.request_id].record(seq, rows[0])
                 continue
-            new_tokens = runner_output.sampled_token_ids.get(seq.request_id, [])
+            new_tokens = sampled_token_ids.get(seq.request_id, ())
             num_before = seq.num_output_tokens
-            self.output_processor.record_logprobs(seq, runner_output)
+            if has_logprobs:
+                self.output_processor.record_logprobs(seq, runner_output)
             stop = self.output_processor.append_tokens(seq, new_tokens, now)
             if num_before == 0 and seq.num_output_tokens > 0:  # its prefill is complete
                 num_prompt_tokens += seq.num_prompt_tokens

@@ -6,7 +6,9 @@ Python lists each step costs the CPU time of every request's whole table (tens o
 each, at hundreds of requests: milliseconds the GPU waits for). So the block tables live
 in one numpy array, one row per request, and a step writes only what changed: the row of a
 request that joins, the new blocks of one that grew. Positions and cache slots are then
-computed for all tokens at once with numpy, not per token in Python.
+computed for all tokens at once with numpy, not per token in Python. A request whose table
+did not change at all hands over the very tuple of the step before (scheduler_output.py),
+so its row is skipped after one identity check.
 (docs/tutorial/what-a-gpu-would-do.md, "The engine's own time per step", measures it.)
 
 How a change is seen without the scheduler listing it: the `KVCacheManager` only appends
@@ -36,6 +38,10 @@ class InputBatch:
         self.block_tables = np.zeros((max_num_reqs, 16), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # valid entries per row
         self.table_ids = np.zeros(max_num_reqs, dtype=np.int64)  # whose table the row holds
+        # The chunk's block-table tuple each row was last written from: a request whose
+        # table did not change hands the runner the same tuple again (scheduler_output.py),
+        # so one identity check skips the row, with no numpy scalar reads.
+        self.row_sources: list[tuple[int, ...] | None] = [None] * max_num_reqs
         self.row_of: dict[str, int] = {}  # request id -> row
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -85,6 +91,9 @@ class InputBatch:
         row = self.row_of.get(chunk.request_id)
         if row is None:
             row = self.row_of[chunk.request_id] = self._take_row()
+        elif self.row_sources[row] is chunk.block_table:
+            return row  # most decodes: the same table as last step
+        self.row_sources[row] = chunk.block_table
         table, num_known = chunk.block_table, self.num_blocks[row]
         if self.table_ids[row] != chunk.block_table_id or len(table) < num_known:
             num_known = 0  # another table, not this one grown
@@ -105,6 +114,7 @@ class InputBatch:
         for request_id in [r for r in self.row_of if r not in request_ids]:
             row = self.row_of.pop(request_id)
             self.num_blocks[row] = 0
+            self.row_sources[row] = None
             self.free_rows.append(row)
 
     def _take_row(self) -> int:
@@ -122,3 +132,4 @@ class InputBatch:
         self.block_tables = block_tables
         self.num_blocks = np.concatenate([self.num_blocks, np.zeros(num_rows - old_rows, np.int64)])
         self.table_ids = np.concatenate([self.table_ids, np.zeros(num_rows - old_rows, np.int64)])
+        self.row_sources += [None] * (num_rows - old_rows)

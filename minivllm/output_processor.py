@@ -37,13 +37,19 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.detokenizers: dict[str, Detokenizer] = {}
+        # Each request's token ids that stop it once it has ``min_tokens`` outputs: its
+        # stop token ids, and EOS unless it ignores EOS; one set lookup per token.
+        self.stop_token_ids: dict[str, frozenset[int]] = {}
         # Of the requests that asked: one dict per output token, and per prompt token
         # (None for the first, which nothing predicts).
         self.logprobs: dict[str, SampleLogprobs] = {}
         self.prompt_logprobs: dict[str, PromptLogprobs] = {}
 
     def add_request(self, seq: Sequence) -> None:
-        self.detokenizers[seq.request_id] = Detokenizer(self.tokenizer, seq.sampling_params)
+        params = seq.sampling_params
+        self.detokenizers[seq.request_id] = Detokenizer(self.tokenizer, params)
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        self.stop_token_ids[seq.request_id] = eos | frozenset(params.stop_token_ids)
         if seq.sampling_params.logprobs is not None:
             self.logprobs[seq.request_id] = []
         if seq.sampling_params.prompt_logprobs is not None:
@@ -51,6 +57,7 @@ class OutputProcessor:
 
     def abort_request(self, request_id: str) -> None:
         self.detokenizers.pop(request_id, None)
+        self.stop_token_ids.pop(request_id, None)
         self.logprobs.pop(request_id, None)
         self.prompt_logprobs.pop(request_id, None)
 
@@ -108,15 +115,15 @@ class OutputProcessor:
         return seq.num_tokens >= self.max_model_len
 
     def _check_stop_token(self, seq: Sequence) -> StopDecision | None:
+        token = seq.token_ids[-1]
+        if token not in self.stop_token_ids[seq.request_id]:
+            return None  # most tokens: one set lookup
         params = seq.sampling_params
         if seq.num_output_tokens < params.min_tokens:
             return None
-        token = seq.token_ids[-1]
         if token in self.eos_token_ids and not params.ignore_eos:
             return StopDecision(FinishReason.STOP)
-        if token in params.stop_token_ids:
-            return StopDecision(FinishReason.STOP, token)
-        return None
+        return StopDecision(FinishReason.STOP, token)
 
     def make_output(self, seq: Sequence) -> RequestOutput | None:
         """What to report for ``seq`` after this step (None: nothing, for FINAL_ONLY until
@@ -132,6 +139,7 @@ class OutputProcessor:
             return None
         if finished:
             del self.detokenizers[seq.request_id]
+            del self.stop_token_ids[seq.request_id]
         if kind is RequestOutputKind.DELTA:
             text, token_ids = detokenizer.take_delta(seq.token_ids, seq.num_prompt_tokens, finished)
         else:
@@ -162,6 +170,8 @@ class OutputProcessor:
         """The dicts of the last ``num_tokens`` output tokens (all of them but DELTA's),
         and the prompt's: DELTA hands those out once, with the first output."""
         request_id = seq.request_id
+        if request_id not in self.logprobs and request_id not in self.prompt_logprobs:
+            return None, None  # most requests: they asked for neither
         logprobs = self.logprobs.get(request_id)
         if logprobs is not None:
             # A stop may have dropped the step's tokens after it: they have no place.

@@ -186,7 +186,9 @@ class Scheduler:
             seq.num_computed_tokens += num_new
             if drafts:
                 self.kv_cache_manager.free_surplus_blocks(seq)
-            self.kv_cache_manager.cache_full_blocks(seq)
+                self.kv_cache_manager.cache_full_blocks(seq)
+            # Without drafts there is nothing to register: every token the step computed
+            # was known when it was scheduled, and `_add_to_step` registered its blocks.
 
     def fork_request(self, parent: Sequence, child: Sequence) -> None:
         """Beam search: ``child`` continues ``parent``'s computed tokens. It shares the

@@ -7,9 +7,12 @@ about why a chunk or a copy is there. The rest is for the scheduler's own
 bookkeeping after the step and for whoever watches (metrics, notebooks).
 
 It is a value, as in vLLM (which builds its ``SchedulerOutput`` once every decision is
-made): each chunk holds its own copies of its token ids and block table, taken when its
-decision is final, so the requests moving on after the step (rejected drafts rolled back,
-blocks freed) never rewrite the record of what the step computed. Only
+made): each chunk holds its own copy of its token ids and an immutable tuple of its block
+table, taken when its decision is final, so the requests moving on after the step
+(rejected drafts rolled back, blocks freed) never rewrite the record of what the step
+computed. The tuple is shared with the request's earlier steps while its table does not
+change (vLLM sends only the new block ids for the same reason: a table grows with the
+context, and copying every table every step costs the CPU that much). Only
 ``scheduled_seqs`` and ``preempted`` point at the live requests, to say *who*.
 """
 
@@ -25,7 +28,7 @@ from minivllm.sequence import Sequence
 PLACEHOLDER_TOKEN_ID = -1
 
 
-@dataclass
+@dataclass(slots=True)  # slots: one is built per scheduled request per step
 class ScheduledChunk:
     """Token rows of one request that the model computes this step.
 
@@ -37,8 +40,10 @@ class ScheduledChunk:
     Speculative decoding: the last ``num_draft_tokens`` rows are draft tokens, guesses not
     yet known to be right; then the last ``1 + num_draft_tokens`` rows are all sampled
     and verified against the drafts (spec_decode/rejection_sampler.py).
-    ``block_table`` is the chunk's own copy of the request's table as of this step, and
-    ``block_table_id`` says which table it is (a new id: not the table of an earlier step).
+    ``block_table`` is the request's table as of this step, an immutable tuple: a step whose
+    table did not change shares the tuple of the step before instead of copying the table
+    (`Sequence.block_table_snapshot`). ``block_table_id`` says which table it is (a new
+    id: not the table of an earlier step).
     ``prompt_token_ids`` and ``output_token_ids``: the request's tokens so far, filled
     only when it samples with penalties (the sampler counts them); empty otherwise.
     ``prompt_logprob_token_ids``: for a request that asked for ``prompt_logprobs``, the
@@ -48,7 +53,7 @@ class ScheduledChunk:
     request_id: str
     token_ids: list[int]
     start_position: int
-    block_table: list[int]
+    block_table: tuple[int, ...]
     sample: bool
     sampling_params: SamplingParams | None = None
     generator: object | None = None  # torch.Generator of a request that samples randomly
@@ -60,7 +65,8 @@ class ScheduledChunk:
     prompt_logprob_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.block_table = list(self.block_table)  # a copy: the request's table moves on
+        # Immutable: the request's table moves on. (A tuple's tuple() is itself, no copy.)
+        self.block_table = tuple(self.block_table)
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -98,25 +104,28 @@ class SchedulerOutput:
         """Schedule the next ``num_new_tokens`` of ``seq``, from its ``num_computed_tokens``."""
         start = seq.num_computed_tokens
         token_ids = seq.token_ids[start : start + num_new_tokens]
-        # Async scheduling: past the known ids, tokens still being sampled (placeholders).
-        token_ids += [PLACEHOLDER_TOKEN_ID] * (num_new_tokens - len(token_ids))
-        num_tokens = seq.num_tokens + seq.num_output_placeholders
-        samples = start + num_new_tokens == num_tokens  # reaches its last known token
+        if len(token_ids) < num_new_tokens:
+            # Async scheduling: past the known ids, tokens still being sampled (placeholders).
+            token_ids += [PLACEHOLDER_TOKEN_ID] * (num_new_tokens - len(token_ids))
+        params = seq.sampling_params
+        num_output_tokens = seq.num_output_tokens + seq.num_output_placeholders
+        # It reaches its last known token (placeholders count as known).
+        samples = start + num_new_tokens == seq.num_prompt_tokens + num_output_tokens
         chunk = ScheduledChunk(
             seq.request_id,
             token_ids,
             start,
-            seq.block_table,
+            seq.block_table_snapshot(),
             sample=samples,
-            sampling_params=seq.sampling_params,
+            sampling_params=params,
             generator=seq.generator,
-            num_output_tokens=seq.num_output_tokens + seq.num_output_placeholders,
+            num_output_tokens=num_output_tokens,
             block_table_id=seq.block_table_id,
         )
-        if samples and seq.sampling_params.has_penalties:
+        if samples and params.has_penalties:
             chunk.prompt_token_ids = seq.prompt_token_ids
             chunk.output_token_ids = seq.output_token_ids
-        if seq.sampling_params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None:
             end = min(start + num_new_tokens, seq.num_prompt_tokens - 1)
             chunk.prompt_logprob_token_ids = seq.prompt_token_ids[start + 1 : end + 1]
         self.chunks.append(chunk)
@@ -131,7 +140,7 @@ class SchedulerOutput:
         assert not self.is_prefill[seq.request_id] and draft_token_ids
         chunk = self.chunk_of[seq.request_id]
         chunk.token_ids = chunk.token_ids + list(draft_token_ids)
-        chunk.block_table = list(seq.block_table)
+        chunk.block_table = seq.block_table_snapshot()
         chunk.num_draft_tokens = len(draft_token_ids)
         self.num_scheduled_tokens[seq.request_id] += len(draft_token_ids)
         self.scheduled_spec_decode_tokens[seq.request_id] = list(draft_token_ids)
@@ -176,6 +185,8 @@ class SchedulerOutput:
     @property
     def wasted_ids(self) -> list[str]:
         """One entry per chunk of rows that advance no request."""
+        if self.num_rows == self.total_num_scheduled_tokens:
+            return []  # every row advances a request (all but static batching's padding)
         progress = dict(self.num_scheduled_tokens)
         ids = []
         for chunk in self.chunks:  # a request's real chunk comes before its wasted rows

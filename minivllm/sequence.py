@@ -107,6 +107,9 @@ class Sequence:
         # (admission, readmission after preemption) or cuts one short (rejected drafts), so
         # the runner's persistent batch knows a table it holds is no longer this one.
         self.block_table_id = 0
+        # The table as of the last snapshot, and which table and length it was taken at.
+        self._snapshot: tuple[int, ...] = ()
+        self._snapshot_key = (0, 0)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None  # the stop string or token id that fired
@@ -123,6 +126,18 @@ class Sequence:
             f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_table})"
         )
+
+    def block_table_snapshot(self) -> tuple[int, ...]:
+        """The block table now, as an immutable tuple for a step's record
+        (scheduler_output.py). Taken again only when the table changed: the KV cache manager
+        only appends to a table it handed out and gives it a new ``block_table_id`` for
+        anything else (the contract input_batch.py relies on too), so the id and the length
+        name the contents. A decode that stays in its last block shares last step's tuple,
+        instead of copying a table that grows with the context, per request, per step."""
+        key = (self.block_table_id, len(self.block_table))
+        if key != self._snapshot_key or not self.block_table_id:  # id 0: set by hand, no id
+            self._snapshot, self._snapshot_key = tuple(self.block_table), key
+        return self._snapshot
 
     @property
     def num_tokens(self) -> int:

@@ -119,7 +119,8 @@ class StaticBatchScheduler:
         """``n`` rows at ``position...`` in ``seq``'s region, computed and thrown away. To
         attention they are one more sequence; they advance nobody and sample nothing."""
         padding = [PAD_TOKEN_ID] * n
-        chunk = ScheduledChunk(seq.request_id, padding, position, seq.block_table, sample=False)
+        table = seq.block_table_snapshot()  # shared with its real chunks: no copy per step
+        chunk = ScheduledChunk(seq.request_id, padding, position, table, sample=False)
         out.chunks.append(chunk)
 
     def update_from_output(

@@ -1,6 +1,10 @@
-"""Async scheduling (`async_scheduling=True`) changes when the engine's bookkeeping runs,
-never what it computes: every request's tokens, text and finish reason equal the
-synchronous engine's, in every scheduling regime, and the pool ends empty."""
+"""Async scheduling (on by default wherever it is supported) changes when the engine's
+bookkeeping runs, never what it computes: every request's tokens, text and finish reason
+equal the synchronous engine's (``async_scheduling=False``), in every scheduling regime,
+and the pool ends empty. Where it is not supported the default falls back, with the
+reason; asked for explicitly there, it is refused."""
+
+import logging
 
 import pytest
 from hypothesis import given
@@ -9,6 +13,8 @@ from hypothesis import strategies as st
 from minivllm import LLM, SamplingParams
 from minivllm.async_scheduler import AsyncScheduler
 from minivllm.config import EngineConfig
+from minivllm.scheduler import Scheduler
+from minivllm.static_scheduler import StaticBatchScheduler
 
 REGIMES = {
     "roomy": dict(block_size=4, num_kv_blocks=256),
@@ -61,10 +67,12 @@ def test_outputs_equal_with_and_without_async_scheduling(tiny_llama_path, regime
                     ignore_eos=True), **REGIMES[regime])  # fmt: skip
     stop_token = probe[0][0][0][3]  # appears in some outputs, so some requests stop on it
     params = [_params(i, stop_token) for i in range(len(prompts))]
-    _, expected = _run(tiny_llama_path, prompts, params, **REGIMES[regime])
-    llm, got = _run(tiny_llama_path, prompts, params, async_scheduling=True, **REGIMES[regime])
+    sync, expected = _run(tiny_llama_path, prompts, params, async_scheduling=False,
+                          **REGIMES[regime])  # fmt: skip
+    llm, got = _run(tiny_llama_path, prompts, params, **REGIMES[regime])  # the default
     assert got == expected
     assert isinstance(llm.llm_engine.scheduler, AsyncScheduler)
+    assert type(sync.llm_engine.scheduler) is Scheduler
     if regime.startswith("preemption"):
         assert llm.llm_engine.scheduler.num_preemptions > 0
 
@@ -81,7 +89,8 @@ def test_stop_strings_and_parallel_sampling_equal(tiny_llama_path):
         SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=7, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=5, n=2, ignore_eos=True),
     ]
-    _, expected = _run_text(tiny_llama_path, prompts, params, num_kv_blocks=64)
+    _, expected = _run_text(tiny_llama_path, prompts, params, num_kv_blocks=64,
+                            async_scheduling=False)  # fmt: skip
     _, got = _run_text(tiny_llama_path, prompts, params, num_kv_blocks=64, async_scheduling=True)
     assert got == expected
     assert expected[0][0][2] == "stop"  # the stop string did fire
@@ -107,7 +116,7 @@ def test_any_workload_equal(tiny_llama_path, lengths, max_tokens, budget, num_kv
     params = params[: len(prompts)]
     options = dict(block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=36,
                    max_num_batched_tokens=budget)  # fmt: skip
-    _, expected = _run(tiny_llama_path, prompts, params, **options)
+    _, expected = _run(tiny_llama_path, prompts, params, async_scheduling=False, **options)
     _, got = _run(tiny_llama_path, prompts, params, async_scheduling=True, **options)
     assert got == expected
 
@@ -119,13 +128,47 @@ def test_any_workload_equal(tiny_llama_path, lengths, max_tokens, budget, num_kv
         (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
          "speculative"),
         (dict(tensor_parallel_size=2), "tensor_parallel_size"),
-        (dict(async_scheduling="yes"), "True or False"),
+        (dict(async_scheduling="yes"), "True, False or None"),
     ],
 )  # fmt: skip
 def test_refused_where_not_supported(options, message):
     options.setdefault("async_scheduling", True)
     with pytest.raises(ValueError, match=message):
         EngineConfig(**options)
+
+
+UNSUPPORTED = {
+    "static": (dict(scheduling_policy="static"), "continuous scheduling policy"),
+    "speculative": (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+                    "speculative decoding"),
+    "tensor_parallel": (dict(tensor_parallel_size=2), "tensor_parallel_size=1"),
+    "numba_cuda": (dict(attention_backend="numba-cuda"), "numba-cuda"),
+}  # fmt: skip
+
+
+def test_on_by_default_where_supported():
+    config = EngineConfig()
+    assert config.async_scheduling is None  # what was asked: nothing
+    assert config.use_async_scheduling and config.async_scheduling_unsupported is None
+    assert not EngineConfig(async_scheduling=False).use_async_scheduling
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED)
+def test_default_falls_back_with_the_reason(name):
+    options, reason = UNSUPPORTED[name]
+    config = EngineConfig(**options)
+    assert not config.use_async_scheduling
+    assert reason in config.async_scheduling_unsupported
+    with pytest.raises(ValueError, match=reason):  # asked for explicitly: refused
+        EngineConfig(async_scheduling=True, **options)
+
+
+def test_static_engine_runs_synchronously_and_logs_why(tiny_llama_path, caplog):
+    with caplog.at_level(logging.INFO, logger="minivllm.engine"):
+        llm = LLM(model=str(tiny_llama_path), num_kv_blocks=64, scheduling_policy="static")
+    engine = llm.llm_engine
+    assert isinstance(engine.scheduler, StaticBatchScheduler) and engine.step_worker is None
+    assert "async scheduling off: async_scheduling needs the continuous" in caplog.text
 
 
 @pytest.mark.slow
@@ -135,7 +178,35 @@ def test_smollm2_outputs_equal(smollm2_path):
                "1, 2, 3,", "Write a short poem about the sea."]  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     options = dict(num_kv_blocks=20, block_size=8, max_num_batched_tokens=48)
-    _, expected = _run_text(smollm2_path, prompts, params, **options)
-    llm, got = _run_text(smollm2_path, prompts, params, async_scheduling=True, **options)
+    _, expected = _run_text(smollm2_path, prompts, params, async_scheduling=False, **options)
+    llm, got = _run_text(smollm2_path, prompts, params, **options)  # the default: async
+    assert isinstance(llm.llm_engine.scheduler, AsyncScheduler)
     assert got == expected
     assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_logprobs_equal(tiny_llama_path):
+    """Sample and prompt logprobs come with the step's output, one step later: the same."""
+    prompts = [[1, 5, 9, 13, 17], [1, 7, 7, 7]]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2,
+                             prompt_logprobs=1),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=5, ignore_eos=True,
+                             logprobs=0)]  # fmt: skip
+
+    def run(**options):
+        llm = LLM(model=str(tiny_llama_path), num_kv_blocks=64, **options)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)  # fmt: skip
+        return [(o.outputs[0].token_ids, _logprob_values(o.outputs[0].logprobs),
+                 _logprob_values(o.prompt_logprobs)) for o in outputs]  # fmt: skip
+
+    expected = run(async_scheduling=False)
+    assert expected[0][1] and expected[0][2]  # there are logprobs to compare
+    assert run() == expected
+
+
+def _logprob_values(rows):
+    if rows is None:
+        return None
+    return [None if r is None else {t: (lp.logprob, lp.rank) for t, lp in r.items()}
+            for r in rows]  # fmt: skip

@@ -17,7 +17,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm import LLM, BeamSearchOutput, BeamSearchParams, EngineConfig, LLMEngine
+from minivllm import (
+    LLM,
+    BeamSearchOutput,
+    BeamSearchParams,
+    EngineConfig,
+    LLMEngine,
+    SamplingParams,
+)
 from minivllm.chat import chat_prompt
 
 MESSAGES = [
@@ -138,6 +145,9 @@ REGIMES = {
     "small budget": dict(block_size=3, num_kv_blocks=256, max_num_batched_tokens=3),
     "no sharing": dict(block_size=4, num_kv_blocks=256, share_forked_blocks=False),
     "no prefix caching": dict(block_size=4, num_kv_blocks=256, enable_prefix_caching=False),
+    # The others run with the default, async scheduling, which steps without overlap while
+    # a beam search is in flight; this one never overlaps.
+    "no async scheduling": dict(block_size=4, num_kv_blocks=256, async_scheduling=False),
 }
 
 
@@ -292,8 +302,37 @@ def test_the_engine_refuses_what_it_cannot_run_before_any_work(tiny):
         )
     assert not engine.has_unfinished_requests() and not engine.beam_groups.groups
     assert_every_block_free(llm)
-    for options in (dict(async_scheduling=True), dict(scheduling_policy="static")):
-        other = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, **options))
-        with pytest.raises(ValueError, match="beam search needs the continuous"):
-            other.add_beam_search_request("r", {"prompt_token_ids": [5]}, BeamSearchParams(2, 4))
-        other.close()
+    other = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, scheduling_policy="static"))
+    with pytest.raises(ValueError, match="beam search needs the continuous"):
+        other.add_beam_search_request("r", {"prompt_token_ids": [5]}, BeamSearchParams(2, 4))
+    other.close()
+
+
+def test_a_search_joining_overlapped_steps_waits_for_the_step_in_flight(tiny):
+    """With async scheduling a step runs while the next is scheduled. A beam search that
+    arrives then makes the engine finish the step in flight and stop overlapping until the
+    search ends; the other requests' tokens and the beams equal a never-overlapping run."""
+    path, _ = tiny
+    params = BeamSearchParams(beam_width=3, max_tokens=6)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    results = {}
+    for overlap in (True, False):
+        llm = LLM(str(path), block_size=4, num_kv_blocks=256, async_scheduling=overlap)
+        engine = llm.llm_engine
+        engine.add_request("plain", {"prompt_token_ids": [5, 6, 7]}, greedy)
+        outputs = {}
+        for _ in range(3):
+            outputs |= {o.request_id: o for o in engine.step()}
+        assert (engine.in_flight is not None) == overlap  # a step is running behind
+        engine.add_beam_search_request("beams", {"prompt_token_ids": [9, 8, 7, 6]}, params)
+        while engine.has_unfinished_requests():
+            outputs |= {o.request_id: o for o in engine.step()}
+            if engine.beam_groups.groups:
+                assert engine.in_flight is None  # no overlap while the search runs
+        results[overlap] = [
+            outputs["plain"].outputs[0].token_ids,
+            [c.token_ids for c in outputs["beams"].outputs],
+        ]
+        assert_every_block_free(llm)
+        llm.llm_engine.close()
+    assert results[True] == results[False]

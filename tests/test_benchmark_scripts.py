@@ -30,6 +30,7 @@ def queue_rows(tiny_llama_path):
         max_model_len=96,
         attention_backend="torch",
         enable_prefix_caching=False,  # as benchmarks/scheduler_queues.py: a real recompute
+        async_scheduling=False,  # as there: the queues after each step, step by step
     )
     return scheduler_queues.trace(LLMEngine(config), 16)
 

@@ -354,7 +354,7 @@ def test_the_recorded_step_keeps_the_draft_block_after_the_roll_back():
     step(scheduler)
     out = scheduler.schedule()
     [chunk] = out.chunks
-    assert chunk.block_table == a.block_table and chunk.block_table is not a.block_table
+    assert list(chunk.block_table) == a.block_table and chunk.block_table is not a.block_table
     assert len(chunk.block_table) == 3  # positions 8..10 are in the third block
     run(scheduler, out, {"a": 0})
     assert len(a.block_table) == 2 and len(chunk.block_table) == 3

@@ -79,7 +79,7 @@ def test_abort_a_request_in_the_middle_of_its_prefill(tiny_llama_path, solo_outp
 
 
 def test_abort_a_decoding_request(tiny_llama_path, solo_outputs):
-    engine = make_engine(tiny_llama_path)
+    engine = make_engine(tiny_llama_path, async_scheduling=False)  # 3 steps: 3 tokens
     engine.add_request("a", PROMPT_A, GREEDY)
     engine.add_request("b", PROMPT_B, GREEDY)
     for _ in range(3):

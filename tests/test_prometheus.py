@@ -37,6 +37,7 @@ def engine(tmp_path_factory):
     config = EngineConfig(
         model=str(path), num_kv_blocks=10, block_size=4, max_num_seqs=4,
         max_num_batched_tokens=32, enable_prefix_caching=True, attention_backend="torch",
+        async_scheduling=False,  # each step's stats and outputs are that step's
     )  # fmt: skip
     return LLMEngine(config)
 

@@ -181,6 +181,9 @@ class EngineUnderTest:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             speculative_config=speculative_config,
+            # The synchronous scheduler's invariants (what holds between two steps); its
+            # fake executor fills in no placeholders.
+            async_scheduling=False,
         )
         executor = FakeExecutor(num_blocks, block_size, rng, eos_prob)
         # What the engine's front end knows of this model: any id is a prompt token.
@@ -316,7 +319,7 @@ class EngineUnderTest:
         # The oldest running request is never preempted, and it advances every step, so
         # each request needs at most max_model_len steps once it is the oldest.
         bound = len(self.requests) * self.max_model_len + 1
-        for request_id, group in self.engine.beam_groups.groups.items():  # each decision
+        for group in self.engine.beam_groups.groups.values():  # each decision
             bound += group.params.beam_width * self.max_model_len * (group.max_tokens + 1)
         for num_steps in range(bound):
             if not self.engine.has_unfinished_requests():

@@ -42,6 +42,7 @@ def test_simulated_and_real_engine_make_the_same_decisions(tiny_llama_path, poli
         max_model_len=workload.max_request_len,
         scheduling_policy=policy,
         attention_backend="torch",  # no kernel compile: the timing does not matter here
+        async_scheduling=False,  # as the simulator schedules
     )
     real = run_engine(config, workload, progress=False)
     shape = model_config_from_hf(load_hf_config(tiny_llama_path))

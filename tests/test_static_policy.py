@@ -28,6 +28,8 @@ def make_engine(path, policy: str, max_num_seqs: int = 3, num_kv_blocks: int = 6
             max_num_batched_tokens=16,
             # The prompts share their first tokens: every row counted here is computed.
             enable_prefix_caching=False,
+            # Rows counted step by step: none of async scheduling's decodes thrown away.
+            async_scheduling=False,
         )
     )
     engine.step_log = []

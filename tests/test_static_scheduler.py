@@ -78,7 +78,7 @@ def test_padding_goes_to_the_padded_members_own_region_and_the_longest_gets_none
     scheduler.clock = lambda: 3.0
     out = step(scheduler)
     assert [chunk.request_id for chunk in out.chunks] == ["a", "b", "b", "c", "c"]
-    tables = [chunk.block_table for chunk in out.chunks]
+    tables = [list(chunk.block_table) for chunk in out.chunks]
     assert tables == [a.block_table, b.block_table, b.block_table, c.block_table, c.block_table]
     assert [s.metrics.first_scheduled_time for s in (a, b, c)] == [3.0, 3.0, 3.0]
 

@@ -134,10 +134,13 @@ def calibrate(
     # Prefix caching off: the static policy refuses it, and random prompts share nothing.
     # One max_model_len for both workloads, so that the engine the fit runs on also runs
     # its policy's comparison (at tp > 1 every engine start spawns and loads tp workers).
+    # Async scheduling off: a step's measured time must be that step's alone, not
+    # overlapped with the scheduling of the next (the simulator schedules synchronously).
     config = EngineConfig(
         max_num_seqs=8,
         max_num_batched_tokens=256,
         enable_prefix_caching=False,
+        async_scheduling=False,
         tensor_parallel_size=tp,
         max_model_len=max(fit_workload.max_request_len, workload.max_request_len),
     )

@@ -101,7 +101,10 @@ class Replica:
 
 def build_replica(config: EngineConfig, deployment: Deployment, seed: int = 0) -> Replica:
     """A real `LLMEngine` on a `SimulatedExecutor`, both reading one simulated clock;
-    ``seed`` seeds the replica's draws of accepted drafts."""
+    ``seed`` seeds the replica's draws of accepted drafts. The engine schedules
+    synchronously: the simulated clock charges the GPU's time only, so there is no CPU
+    time for async scheduling to hide (and one clock must not be moved by two threads)."""
+    config = replace(config, async_scheduling=False)
     clock = SimClock()
     executor = SimulatedExecutor(
         deployment.model,
