@@ -30,11 +30,14 @@ from minivllm import EngineConfig, LLMEngine, SamplingParams
 start = time.perf_counter()
 # Prefix caching (on by default, as in vLLM) is off here: the four prompts share the chat
 # template's system prompt, and this notebook shows every prefill token being computed.
+# Async scheduling (also on by default) is off too: each `step()` then reports the batch it
+# scheduled, instead of the one before it, which keeps the walkthrough one step at a time.
 engine = LLMEngine(
     EngineConfig(
-        max_num_batched_tokens=32, max_num_seqs=3, num_kv_blocks=64, enable_prefix_caching=False
+        max_num_batched_tokens=32, max_num_seqs=3, num_kv_blocks=64,
+        enable_prefix_caching=False, async_scheduling=False,
     )
-)
+)  # fmt: skip
 print(f"SmolLM2 loaded in {time.perf_counter() - start:.1f} s; "
       f"KV pool: {engine.num_kv_blocks} blocks of {engine.config.block_size} tokens")  # fmt: skip
 

@@ -49,10 +49,12 @@ PARAMS = SamplingParams(temperature=0, max_tokens=16)
 
 
 def make_engine(enable_prefix_caching: bool = False, **options) -> LLMEngine:
-    """Prefix caching off unless asked: the preemption runs below recompute every token."""
+    """Prefix caching off unless asked: the preemption runs below recompute every token.
+    Async scheduling off: each step's record then belongs to the step that reported it."""
     config = EngineConfig(
-        max_num_batched_tokens=256, enable_prefix_caching=enable_prefix_caching, **options
-    )
+        max_num_batched_tokens=256, enable_prefix_caching=enable_prefix_caching,
+        async_scheduling=False, **options,
+    )  # fmt: skip
     engine = LLMEngine(config)
     engine.step_log = []  # record a StepStats per step (minivllm/stats.py)
     return engine

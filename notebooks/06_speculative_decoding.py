@@ -75,7 +75,12 @@ PARAMS = SamplingParams(temperature=0, max_tokens=64)
 
 
 def make_engine(**options) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(max_num_seqs=1, enable_prefix_caching=False, **options))
+    # One batch at a time in both runs (speculative decoding has no async scheduling), so
+    # their step counts compare.
+    config = EngineConfig(
+        max_num_seqs=1, enable_prefix_caching=False, async_scheduling=False, **options
+    )
+    engine = LLMEngine(config)
     engine.step_log = []  # a StepStats per step (minivllm/stats.py)
     return engine
 

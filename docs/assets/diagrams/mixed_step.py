@@ -102,6 +102,7 @@ def capture_mixed_step() -> Step:
             EngineConfig(
                 model=str(checkpoint), block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS,
                 max_num_batched_tokens=BUDGET, max_num_seqs=3, attention_backend="torch",
+                async_scheduling=False,  # step 3's record holds known tokens, no placeholder
             )
         )  # fmt: skip
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
