@@ -105,10 +105,6 @@ class Row:
         return int(self.budget_blocks // run.request_peak_blocks)
 
 
-def has_beam_search() -> bool:
-    return hasattr(LLMEngine, "add_beam_search_request")
-
-
 def group_of(request_id: str) -> str:
     """The prompt a sequence belongs to: ids are ``{i}_{prompt}``, as vLLM names the
     children of an ``n > 1`` request, and as the sharing-off runs name their copies."""
@@ -149,6 +145,7 @@ def measure(engine: LLMEngine, workload: Workload, mode: str, width: int, sharin
     ``share_forked_blocks=sharing``."""
     kv = engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks, "the engine is not idle"
+    assert not engine.config.use_async_scheduling, "blocks are counted step by step"
     if mode == "n":
         add_n_requests(engine, workload, width, sharing)
     else:
@@ -187,8 +184,7 @@ def blocks_needed(workload: Workload, width: int, block_size: int) -> int:
     """Blocks for every sample of every request at once, nothing shared: a pool this big
     never preempts."""
     return sum(
-        width * cdiv(len(r.prompt_token_ids) + r.max_tokens, block_size)
-        for r in workload.requests
+        width * cdiv(len(r.prompt_token_ids) + r.max_tokens, block_size) for r in workload.requests
     )
 
 
@@ -212,9 +208,7 @@ def run_rows(
     progress: bool = True,
 ) -> list[Row]:
     workloads = {name: chat_workload(num_prompts, name, seed=seed) for name in lengths}
-    num_blocks = max(
-        blocks_needed(w, k, block_size) for w in workloads.values() for k in widths
-    )
+    num_blocks = max(blocks_needed(w, k, block_size) for w in workloads.values() for k in widths)
     max_len = max(len(r.prompt_token_ids) + r.max_tokens for w in workloads.values()
                   for r in w.requests)  # fmt: skip
     options = dict(
@@ -224,10 +218,11 @@ def run_rows(
         max_num_seqs=max(64, num_prompts * max(widths)),
         max_model_len=max(max_len, 64),
         enable_prefix_caching=False,  # only the sharing under test
+        async_scheduling=False,  # blocks are counted after each step's own record
         seed=seed,
     )
     engines = {True: LLMEngine(EngineConfig(**options))}  # sharing on, and off:
-    if "beam" in modes and has_beam_search():  # beams fork by copying every block
+    if "beam" in modes:  # beams fork by copying every block
         engines[False] = LLMEngine(EngineConfig(**options, share_forked_blocks=False))
     else:
         engines[False] = engines[True]  # n off is separate requests: no fork to copy
@@ -240,9 +235,6 @@ def run_rows(
         if progress:
             print(workload.describe(), file=sys.stderr)
         for mode in modes:
-            if mode == "beam" and not has_beam_search():
-                print("beam: this engine has no beam search yet; rows skipped", file=sys.stderr)
-                continue
             for width in widths:
                 on, off = (measure(engines[s], workload, mode, width, s) for s in (True, False))
                 rows.append(Row(name, mode, width, num_prompts, budget, on, off))
@@ -307,8 +299,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print(markdown(rows))
     if args.json:
         records = [
-            {**asdict(r), "saved_mean": r.saved_mean, "saved_peak": r.saved_peak,
-             "batch_on": r.batch(r.on), "batch_off": r.batch(r.off)}  # fmt: skip
+            {
+                **asdict(r),
+                "saved_mean": r.saved_mean,
+                "saved_peak": r.saved_peak,
+                "batch_on": r.batch(r.on),
+                "batch_off": r.batch(r.off),
+            }  # fmt: skip
             for r in rows
         ]
         Path(args.json).write_text(json.dumps(records, indent=2) + "\n")

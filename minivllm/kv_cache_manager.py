@@ -135,8 +135,10 @@ class KVCacheManager:
         blocks that sit in the free queue count against it, as sharing takes them out."""
         is_admission = computed_blocks is not None
         num_to_copy = 0 if is_admission else self._num_blocks_to_copy(seq)
-        if not num_to_copy and not is_admission and (
-            seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size
+        if (
+            not num_to_copy
+            and not is_admission
+            and (seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size)
         ):
             return True  # most decode steps: the last block still has room
         computed_blocks = computed_blocks or []
@@ -170,9 +172,10 @@ class KVCacheManager:
         child gets copies of every block instead; False, taking nothing, when the pool has
         too few free blocks for them."""
         assert not child.block_table and parent.block_table
-        assert child.token_ids[: parent.num_computed_tokens] == parent.token_ids[
-            : parent.num_computed_tokens
-        ]
+        assert (
+            child.token_ids[: parent.num_computed_tokens]
+            == parent.token_ids[: parent.num_computed_tokens]
+        )
         if self.share_forked_blocks:
             for block_id in parent.block_table:
                 self.allocator.touch(block_id)

@@ -44,9 +44,11 @@ def make_parents(n: int, kind=CUMULATIVE, request_id: str = "req", **params):
 
 def test_child_ids_follow_vllm_and_map_back_to_their_parent() -> None:
     parents, parent = make_parents(3, request_id="abc")
-    assert parent.child_ids == ["0_abc", "1_abc", "2_abc"] == [
-        child_request_id("abc", i) for i in range(3)
-    ]
+    assert (
+        parent.child_ids
+        == ["0_abc", "1_abc", "2_abc"]
+        == [child_request_id("abc", i) for i in range(3)]
+    )
     assert "abc" in parents and "0_abc" not in parents
     assert all(parents.parent_of[c] is parent for c in parent.child_ids)
 

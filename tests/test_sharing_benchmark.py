@@ -22,7 +22,7 @@ from minivllm.bench.workloads import BenchRequest, Workload  # noqa: E402
 def engine(tiny_llama_path):
     config = EngineConfig(
         model=str(tiny_llama_path), block_size=4, num_kv_blocks=64, max_model_len=64,
-        attention_backend="torch", enable_prefix_caching=False,
+        attention_backend="torch", enable_prefix_caching=False, async_scheduling=False,
     )  # fmt: skip
     return LLMEngine(config)
 
@@ -66,14 +66,14 @@ def test_sharing_never_costs_blocks_and_saves_from_n_2(tiny_llama_path, tmp_path
     assert "| alpaca | n samples | 4 |" in table
 
 
-@pytest.mark.skipif(not sharing.has_beam_search(), reason="the engine has no beam search")
 def test_beams_share_and_a_copying_fork_holds_a_copy_per_beam(tiny_llama_path):
     """Off, every beam holds its own copy of every block: at the end ``k`` beams of 12
     computed tokens (10 prompt + 3 output - 1), 3 blocks each. On, they share at least the
     2 full prompt blocks, so never use more."""
     workload = Workload("hand", [BenchRequest("0", list(range(10, 20)), 3)])
     options = dict(model=str(tiny_llama_path), block_size=4, num_kv_blocks=64, max_model_len=64,
-                   attention_backend="torch", enable_prefix_caching=False)  # fmt: skip
+                   attention_backend="torch", enable_prefix_caching=False,
+                   async_scheduling=False)  # fmt: skip
     for width in (2, 3):
         on = sharing.measure(LLMEngine(EngineConfig(**options)), workload, "beam", width, True)
         off_engine = LLMEngine(EngineConfig(**options, share_forked_blocks=False))

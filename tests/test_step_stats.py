@@ -43,7 +43,10 @@ def step_that_ran():
 def test_capture_after_a_step_reports_what_ran_and_the_state_after_it():
     scheduler, kv = engine_state()
     spec = SpecDecodingStats(
-        num_spec_tokens=3, num_drafts=2, num_draft_tokens=5, num_accepted_tokens=4,
+        num_spec_tokens=3,
+        num_drafts=2,
+        num_draft_tokens=5,
+        num_accepted_tokens=4,
         num_accepted_tokens_per_pos=[2, 1, 1],
     )
     stats = StepStats.capture(scheduler, kv, spec, step_that_ran(), 1.5, 2.25, 9, 4)

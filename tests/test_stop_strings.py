@@ -331,8 +331,13 @@ def test_min_tokens_masks_stop_token_ids_in_the_engine(llm):
 def test_no_empty_delta_for_a_chunked_prefill_step(tiny_llama_path):
     """A 20-token prompt under an 8-token budget takes three steps before its first
     token; DELTA reports nothing for the first two."""
-    llm = LLM(model=str(tiny_llama_path), num_kv_blocks=64, block_size=4, max_num_batched_tokens=8,
-              async_scheduling=False)  # each step reports itself, not the step before
+    llm = LLM(
+        model=str(tiny_llama_path),
+        num_kv_blocks=64,
+        block_size=4,
+        max_num_batched_tokens=8,
+        async_scheduling=False,
+    )  # each step reports itself, not the step before
     params = SamplingParams(
         temperature=0, max_tokens=3, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
