@@ -169,8 +169,7 @@ def test_every_openai_field_is_honoured_or_refused(http, route):
 @pytest.mark.parametrize("route", ROUTES)
 def test_vllm_fields_it_does_not_implement_are_refused(http, route):
     base, _ = ROUTES[route]
-    refused = [("use_beam_search", True), ("guided_json", {}), ("bad_words", ["w1"]),
-               ("truncate_prompt_tokens", 3)]  # fmt: skip
+    refused = [("guided_json", {}), ("bad_words", ["w1"]), ("truncate_prompt_tokens", 3)]
     if route.endswith("chat/completions"):  # completions has it (test_server_logprobs.py)
         refused.append(("prompt_logprobs", 1))
     for field, value in refused:

@@ -33,7 +33,7 @@ from typing import TypeVar
 
 from minivllm.engine import LLMEngine, Prompt
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import BeamSearchParams, SamplingParams
 from minivllm.stats import StepStats
 
 logger = logging.getLogger("minivllm.serve")
@@ -136,7 +136,10 @@ class AsyncLLM:
         return await loop.run_in_executor(self._tokenizer_thread, function)
 
     async def add_request(
-        self, request_id: str, prompt: Prompt | PromptFactory, params: SamplingParams
+        self,
+        request_id: str,
+        prompt: Prompt | PromptFactory,
+        params: SamplingParams | BeamSearchParams,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it. A bad prompt raises the
         engine's ValueError here, before any output (so a server can still answer 400).
@@ -155,7 +158,10 @@ class AsyncLLM:
         def add() -> None:
             try:
                 engine_prompt = prompt() if callable(prompt) else prompt
-                self.engine.add_request(request_id, engine_prompt, params)
+                if isinstance(params, BeamSearchParams):  # reported once, finished
+                    self.engine.add_beam_search_request(request_id, engine_prompt, params)
+                else:
+                    self.engine.add_request(request_id, engine_prompt, params)
             except Exception as e:  # bad input fails this request only
                 _resolve(accepted, e)
                 return

@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from minivllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from minivllm.sampling_params import (
+    MAX_LOGPROBS,
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+)
 
 
 class OpenAIBaseModel(BaseModel):
@@ -91,8 +96,46 @@ class SamplingFields(OpenAIRequestModel):
     min_tokens: int = 0  # vLLM extra
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM extras: beam search. ``n`` beams are kept and come back as the choices, best first.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Accepted, no effect on the tokens: who asks, and hints for OpenAI's own services.
     user: str | None = None
+
+    # Fields that only sampling reads: beam search refuses them rather than ignore them.
+    BEAM_SEARCH_REFUSES: ClassVar[tuple[str, ...]] = (
+        "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
+        "repetition_penalty", "logit_bias", "allowed_token_ids", "stop", "stop_token_ids",
+        "min_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "echo",
+    )  # fmt: skip
+
+    def engine_params(
+        self, max_tokens: int | None, max_model_len: int
+    ) -> SamplingParams | BeamSearchParams:
+        """What the engine is asked for: sampling, or with ``use_beam_search`` a beam
+        search (vLLM's ``to_beam_search_params``: ``n`` is the beam width; no
+        ``max_tokens`` means as many as the context leaves, which the engine caps)."""
+        if not self.use_beam_search:
+            return self.sampling_params(max_tokens)
+        if not 1 <= self.n <= MAX_LOGPROBS // 2:
+            raise ValueError(
+                f"n must be in [1, {MAX_LOGPROBS // 2}] with use_beam_search (the beam width: "
+                f"each beam asks for 2 * n logprobs, at most {MAX_LOGPROBS}), got {self.n}"
+            )
+        fields = type(self).model_fields
+        for name in self.BEAM_SEARCH_REFUSES:
+            if name in fields and getattr(self, name) != fields[name].default:
+                raise ValueError(
+                    f"{name} is not used by beam search (use_beam_search: true); leave it out"
+                )
+        return BeamSearchParams(
+            beam_width=self.n,
+            max_tokens=max_model_len if max_tokens is None else max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=self.temperature,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
 
     @property
     def include_usage_in_stream(self) -> bool:

@@ -320,7 +320,7 @@ class OpenAIServing:
         engine thread (other requests' steps) waits for it. ``label``: the prompt as the
         live page lists it."""
         self.check_model(request.model)
-        params = request.sampling_params(max_tokens)
+        params = request.engine_params(max_tokens, self.async_llm.max_model_len)
         engine_prompt = await self.async_llm.run_on_tokenizer_thread(prompt)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         stream = await self.async_llm.add_request(request_id, engine_prompt, params)
