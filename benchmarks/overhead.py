@@ -28,7 +28,9 @@ its async path (`AsyncScheduler`, placeholder tokens filled in by the model runn
 step's output processed one step later), and all of a step's CPU work would overlap the
 GPU's previous step, so busy % = GPU / max(GPU, CPU). There is no GPU here to overlap
 with, so the step runs inline, where its phases can be timed; the CPU time is measured,
-the overlap is the formula.
+the overlap is the formula. (The engine's worker thread would change nothing measured
+here: the executor only moves a simulated clock, it neither sleeps nor spins, and
+`time.process_time` counts every thread of the process.)
 
 Workloads, ``N`` requests in flight (``max_num_seqs = N``, an 8,192-token budget):
 - decode: ``N`` requests with 256-token prompts, measured once all of them decode;

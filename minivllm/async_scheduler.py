@@ -22,7 +22,7 @@ from __future__ import annotations
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler import Scheduler
 from minivllm.scheduler_output import SchedulerOutput
-from minivllm.sequence import Sequence, SequenceStatus
+from minivllm.sequence import Sequence
 
 
 class AsyncScheduler(Scheduler):
@@ -37,9 +37,20 @@ class AsyncScheduler(Scheduler):
     ) -> None:
         """Step N's tokens are known: its placeholders are retired (the output processor
         appends the tokens next). ``num_computed_tokens`` moved when the step was scheduled.
-        A request preempted or finished since keeps nothing of this step."""
+
+        Nothing is registered for prefix caching here (nor by the synchronous scheduler
+        after a step without drafts). A block can be shared once all its tokens are
+        scheduled and known. Scheduling registers every such block (`_add_to_step`); one
+        whose last token was a placeholder then becomes registrable when the output
+        processor appends that token, and the request's next schedule registers it. That
+        comes before anyone can look it up: running requests are scheduled before waiting
+        ones are admitted, and every running request is scheduled in every step (each was
+        given a token of the step before and needs one now, but the newest, which may still
+        be mid-prompt, so the budget covers them all; a beam left out of a step waits for
+        its siblings and has no new token either). So the same blocks are registered as
+        without async scheduling whenever a request is admitted, preempted or finishes,
+        and no request costs a call into the KV-cache manager here."""
+        chunk_of = scheduler_output.chunk_of
         for seq in scheduler_output.scheduled_seqs:
-            if scheduler_output.chunk_of[seq.request_id].sample:
+            if chunk_of[seq.request_id].sample:
                 seq.num_output_placeholders -= 1
-            if seq.status is SequenceStatus.RUNNING:
-                self.kv_cache_manager.cache_full_blocks(seq)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from minivllm import LLM, SamplingParams
 from minivllm.async_scheduler import AsyncScheduler
 from minivllm.config import EngineConfig
+from minivllm.kv_cache_manager import hash_block_tokens
 from minivllm.scheduler import Scheduler
 from minivllm.static_scheduler import StaticBatchScheduler
 
@@ -75,6 +76,62 @@ def test_outputs_equal_with_and_without_async_scheduling(tiny_llama_path, regime
     assert type(sync.llm_engine.scheduler) is Scheduler
     if regime.startswith("preemption"):
         assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("regime", ["roomy", "chunked", "preemption_cached", "few_seqs"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prefix_cache_registers_the_same_blocks(tiny_llama_path, regime, async_scheduling):
+    """After every step, each running request has registered exactly its blocks full of
+    tokens that are computed (scheduled, under async scheduling) and were known before
+    the step, with the right hashes: the same rule with and without async scheduling. The
+    async scheduler registers a block whose last token was a placeholder at the request's
+    next schedule, which relies on every running request being scheduled in every step,
+    budget ("chunked") and preemption notwithstanding: checked too."""
+    llm = LLM(model=str(tiny_llama_path), async_scheduling=async_scheduling, **REGIMES[regime])
+    engine = llm.llm_engine
+    kv, block_size = engine.kv_cache_manager, engine.kv_cache_manager.block_size
+    for i, prompt in enumerate(_prompts(14, shared_prefix=9)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, _params(i, stop_token=7))
+    num_checked = 0
+    while engine.has_unfinished_requests():
+        known = {r: seq.num_tokens for r, seq in engine.scheduler.requests.items()}
+        engine.step()
+        for seq in engine.scheduler.running:
+            assert seq.request_id in engine.last_step.num_scheduled_tokens
+            num_full = min(seq.num_computed_tokens, known[seq.request_id]) // block_size
+            hashes, parent = [], b""
+            for j in range(num_full):
+                parent = hash_block_tokens(parent, kv._block_tokens(seq, j))
+                hashes.append(parent)
+            registered = [kv.allocator.block_hashes[b] for b in seq.block_table]
+            assert registered == hashes + [None] * (len(registered) - num_full), seq
+            num_checked += num_full
+    assert num_checked > 0 and kv.num_free_blocks == engine.num_kv_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_blocks_are_registered_only_when_scheduled(tiny_llama_path, async_scheduling):
+    """What the CPU pays for prefix caching each step: one registration call per scheduled
+    request, from scheduling it; processing a step's output (without drafts) makes none,
+    with or without async scheduling."""
+    llm = LLM(model=str(tiny_llama_path), async_scheduling=async_scheduling, block_size=4,
+              num_kv_blocks=256)  # fmt: skip
+    engine = llm.llm_engine
+    kv = engine.kv_cache_manager
+    calls, register = [], kv.cache_full_blocks
+
+    def counted(seq, *args):
+        calls.append(seq)
+        register(seq, *args)
+
+    kv.cache_full_blocks = counted
+    for i, prompt in enumerate(_prompts(6)):
+        params = SamplingParams(temperature=0, max_tokens=9 + i, ignore_eos=True)
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        calls.clear()
+        engine.step()
+        assert calls == engine.last_step.scheduled_seqs
 
 
 def test_stop_strings_and_parallel_sampling_equal(tiny_llama_path):
