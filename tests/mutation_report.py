@@ -62,6 +62,20 @@ EQUIVALENT: dict[str, str] = {
         "range(end) for range(first, end): blocks before `first` are registered already, and "
         "registering a block again under the hash it has changes nothing (only costs hashing)"
     ),
+    "minivllm.kv_cache_manager.x\u01c1KVCacheManager\u01c1__init____mutmut_14": (
+        "table ids counted from 2, not 1: any ids do that differ from 0 and from each other"
+    ),
+    "minivllm.kv_cache_manager.x\u01c1KVCacheManager\u01c1allocate_slots__mutmut_4": (
+        "the blocks to copy counted at admission too: 0 there anyway, an admitted sequence "
+        "has computed nothing (new, or reset by preemption)"
+    ),
+    **{
+        f"minivllm.kv_cache_manager.x\u01c1KVCacheManager\u01c1allocate_slots__mutmut_{n}": (
+            "the decode shortcut taken less often (`<` for `<=`, `/` for `*`): it only saves "
+            "work, the full path then finds no block missing and returns True, taking nothing"
+        )
+        for n in (13, 14)
+    },
     "minivllm.detokenizer.x\u01c1Detokenizer\u01c1__init____mutmut_9": (
         "_prefix_offset starts at None: token_ids[None:...] slices from 0, like 0, until the "
         "first decoded text sets it"
