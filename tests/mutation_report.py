@@ -153,6 +153,9 @@ EQUIVALENT: dict[str, str] = {
     SAMPLER + "x__token_counts__mutmut_31": (
         "vocab_size + 2 columns for + 1: one more padding column, dropped with the other"
     ),
+    "minivllm.beam_search.x\u01c1BeamSearchGroup\u01c1__init____mutmut_27": (
+        "finished starts at None for False: only read as a condition"
+    ),
     "minivllm.sequence.x\u01c1Sequence\u01c1__init____mutmut_22": (
         "shares_prompt starts at None for False: only read as a condition (KVCacheManager._caches)"
     ),

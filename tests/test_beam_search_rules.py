@@ -367,3 +367,16 @@ def test_every_chosen_beam_is_its_own_sequence(k):
     report(group, {5: -0.1, 6: -0.2, 7: -0.3})
     seqs = [b.seq for b in group.beams]
     assert len({id(s) for s in seqs}) == len(seqs) == k
+
+
+def test_the_group_decides_only_once_every_beam_has_reported_and_never_after_the_end():
+    group = make_group(2, max_tokens=2)
+    report(group, {5: -0.1, 6: -0.2})
+    group.record(group.beams[0].seq, row({7: -0.1}))  # one of two beams has reported
+    with pytest.raises(AssertionError):
+        group.step(now=0.0)
+    group.record(group.beams[1].seq, row({8: -0.1}))
+    group.step(now=0.0)
+    assert group.finished and group.ready  # no beam left: nothing to wait for
+    with pytest.raises(AssertionError):
+        group.step(now=0.0)
