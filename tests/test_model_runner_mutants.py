@@ -1,0 +1,106 @@
+"""The runner's parts added for async scheduling and logprobs, model-free: the echo model
+of test_model_runner_inputs.py (logits favour the row's input id + 1) behind the real
+`ModelRunner`, so each sampled token and each logprob row names the row it came from.
+"""
+
+from __future__ import annotations
+
+import math
+
+from minivllm.sampling_params import SamplingParams
+from minivllm.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
+from minivllm.sequence import Sequence
+from tests.test_model_runner_inputs import decoding_seq, make_full_echo_runner
+
+# The echo model's one-hot logits over 512 tokens: the favoured token's logprob, and the
+# others'.
+TOP = -math.log(math.e + 511) + 1
+REST = -math.log(math.e + 511)
+
+
+def prefill_seq(request_id, prompt, **params):
+    seq = Sequence(request_id, prompt, SamplingParams(**({"temperature": 0} | params)))
+    seq.block_table = [0, 1]
+    return seq
+
+
+def test_a_placeholder_input_is_the_last_steps_sample():
+    runner = make_full_echo_runner()
+    first = SchedulerOutput()
+    first.add(decoding_seq("d", [30, 31], 32), 1)
+    first.add(decoding_seq("p", [40, 41], 42, repetition_penalty=1.5), 1)
+    assert runner.execute_model(first).sampled_token_ids == {"d": [33], "p": [43]}
+    assert runner.prev_sampled_token_ids == {"d": 33, "p": 43}
+
+    # The next step was scheduled before 33 and 43 were known: placeholders.
+    second = SchedulerOutput()
+    for request_id, prompt, token, params in [
+        ("d", [30, 31], 32, {}), ("p", [40, 41], 42, {"repetition_penalty": 1.5})
+    ]:  # fmt: skip
+        seq = decoding_seq(request_id, prompt, token, **params)
+        seq.num_computed_tokens += 1
+        seq.num_output_placeholders = 1
+        second.add(seq, 1)
+    assert [c.token_ids for c in second.chunks] == [[PLACEHOLDER_TOKEN_ID]] * 2
+    assert runner.execute_model(second).sampled_token_ids == {"d": [34], "p": [44]}
+    assert [c.token_ids for c in second.chunks] == [[33], [43]]
+    assert second.chunks[0].output_token_ids == []  # no penalties: the sampler counts nothing
+    assert second.chunks[1].output_token_ids == [42, 43]
+    assert runner.prev_sampled_token_ids == {"d": 34, "p": 44}
+
+
+def test_logprobs_come_for_the_rows_that_asked_only():
+    runner = make_full_echo_runner()
+    out = SchedulerOutput()
+    out.add(decoding_seq("plain", [10], 11), 1)
+    out.add(decoding_seq("asks", [20], 21, logprobs=2), 1)
+    result = runner.execute_model(out)
+    assert result.sampled_token_ids == {"plain": [12], "asks": [22]}
+    [row] = result.logprobs["asks"]
+    assert list(result.logprobs) == ["asks"]
+    assert list(row)[:2] == [22, 0]  # the sampled token, then the top ones (22, then id 0)
+    assert math.isclose(row[22].logprob, TOP, rel_tol=1e-5) and row[22].rank == 1
+    assert math.isclose(row[0].logprob, REST, rel_tol=1e-5)
+
+
+def test_prompt_logprobs_come_from_the_prompt_rows_and_the_sample_from_the_last():
+    runner = make_full_echo_runner()
+    out = SchedulerOutput()
+    other = prefill_seq("other", [50, 51])
+    out.add(other, 2)
+    seq = prefill_seq("r", [10, 11, 20], prompt_logprobs=0, logprobs=0)
+    out.add(seq, 3)
+    result = runner.execute_model(out)
+    assert result.sampled_token_ids == {"other": [52], "r": [21]}
+    start, rows = result.prompt_logprobs["r"]
+    assert start == 1 and [list(r) for r in rows] == [[11], [20]]
+    assert rows[0][11].rank == 1 and math.isclose(rows[0][11].logprob, TOP, rel_tol=1e-5)
+    assert rows[1][20].rank == 2 and math.isclose(rows[1][20].logprob, REST, rel_tol=1e-5)
+    assert list(result.prompt_logprobs) == ["r"] and list(result.logprobs) == ["r"]
+
+
+def test_a_mid_prompt_chunk_gives_its_prompt_logprobs_without_sampling():
+    runner = make_full_echo_runner()
+    seq = prefill_seq("r", [10, 11, 12, 30, 31], prompt_logprobs=1)
+    seq.num_computed_tokens = 1
+    out = SchedulerOutput()
+    out.add(seq, 2)  # rows at 11, 12 predict 12 and 30
+    result = runner.execute_model(out)
+    assert result.sampled_token_ids == {}
+    start, rows = result.prompt_logprobs["r"]
+    assert start == 2 and [list(r)[0] for r in rows] == [12, 30]
+    assert rows[0][12].rank == 1 and rows[1][30].rank == 2
+    assert list(rows[1]) == [30, 13]  # and its top one: the echo's favourite
+
+
+def test_a_decode_with_drafts_next_to_a_plain_decode_asking_for_logprobs():
+    runner = make_full_echo_runner()
+    spec, plain = decoding_seq("s", [30, 31], 32), decoding_seq("p", [60, 61], 62, logprobs=0)
+    out = SchedulerOutput()
+    out.add(spec, 1)
+    out.add_draft_tokens(spec, [33, 34, 99])
+    out.add(plain, 1)
+    result = runner.execute_model(out)
+    assert result.sampled_token_ids == {"s": [33, 34, 35], "p": [63]}
+    assert list(result.logprobs) == ["p"] and list(result.logprobs["p"][0]) == [63]
+    assert result.logprobs["p"][0][63].rank == 1
