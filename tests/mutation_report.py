@@ -76,6 +76,10 @@ EQUIVALENT: dict[str, str] = {
         )
         for n in (13, 14)
     },
+    "minivllm.scheduler.x\u01c1Scheduler\u01c1_schedule_running__mutmut_5": (
+        "`budget >= 0` for `> 0`: with no budget left each sequence gets 0 new tokens, which "
+        "the branch for idle beams skips: nothing scheduled, nothing preempted"
+    ),
     "minivllm.detokenizer.x\u01c1Detokenizer\u01c1__init____mutmut_9": (
         "_prefix_offset starts at None: token_ids[None:...] slices from 0, like 0, until the "
         "first decoded text sets it"

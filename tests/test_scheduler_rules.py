@@ -503,3 +503,16 @@ def test_an_empty_step_keeps_its_copies_for_the_next():
     assert out.is_empty and out.blocks_to_copy == []
     add(scheduler, make_seq("a", 3))
     assert scheduler.schedule().blocks_to_copy == [(1, 2)]
+
+
+def test_idle_beams_with_nobody_waiting_make_an_empty_step_and_keep_their_blocks():
+    scheduler = make_scheduler(num_blocks=6)
+    beams = [make_seq(f"b{i}", 5) for i in range(2)]
+    add(scheduler, *beams)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, ModelRunnerOutput())
+    tables = [list(b.block_table) for b in beams]
+    out = scheduler.schedule()
+    assert out.is_empty and out.preempted == [] and not scheduler.waiting
+    assert list(scheduler.running) == beams and [b.block_table for b in beams] == tables
+    assert scheduler.num_preemptions == 0
