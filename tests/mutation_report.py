@@ -80,6 +80,13 @@ EQUIVALENT: dict[str, str] = {
         "`budget >= 0` for `> 0`: with no budget left each sequence gets 0 new tokens, which "
         "the branch for idle beams skips: nothing scheduled, nothing preempted"
     ),
+    "minivllm.scheduler_output.x\u01c1SchedulerOutput\u01c1add__mutmut_4": (
+        "placeholders added when the known ids fill the chunk too (`<=`): [-1] * 0, none"
+    ),
+    "minivllm.scheduler_output.x\u01c1SchedulerOutput\u01c1add__mutmut_45": (
+        "prompt-logprob targets cut at num_prompt_tokens + 1 for - 1: the slice of the prompt "
+        "stops at its end either way"
+    ),
     "minivllm.detokenizer.x\u01c1Detokenizer\u01c1__init____mutmut_9": (
         "_prefix_offset starts at None: token_ids[None:...] slices from 0, like 0, until the "
         "first decoded text sets it"

@@ -107,3 +107,27 @@ def test_wasted_rows_are_only_those_that_advance_no_request():
     assert out.wasted_ids == []
     out.chunks.append(ScheduledChunk("pad", [0, 0], 0, (), sample=False))
     assert out.wasted_ids == ["pad"]
+
+
+def test_a_chunk_past_the_known_ids_keeps_them_and_adds_a_placeholder_per_missing_token():
+    seq = make_seq([1, 2, 3])
+    seq.append_token(4, now=0.0)
+    seq.num_computed_tokens = 2
+    seq.num_output_placeholders = 1
+    out = SchedulerOutput()
+    out.add(seq, 3)
+    assert out.chunks[0].token_ids == [3, 4, PLACEHOLDER_TOKEN_ID] and out.chunks[0].sample
+
+
+def test_only_a_sampling_chunk_with_penalties_carries_the_token_ids():
+    for params, num_new, carries in [
+        ({}, 3, False),  # samples, no penalties
+        ({"presence_penalty": 0.5}, 2, False),  # penalties, mid-prompt
+        ({"presence_penalty": 0.5}, 3, True),
+    ]:
+        out = SchedulerOutput()
+        out.add(make_seq([1, 2, 3], **params), num_new)
+        chunk = out.chunks[0]
+        assert (chunk.prompt_token_ids, chunk.output_token_ids) == (
+            ([1, 2, 3], []) if carries else ([], [])
+        )
