@@ -164,10 +164,18 @@ EQUIVALENT: dict[str, str] = {
     SAMPLER + "x__token_counts__mutmut_31": (
         "vocab_size + 2 columns for + 1: one more padding column, dropped with the other"
     ),
+    **{
+        f"minivllm.sequence.x\u01c1Sequence\u01c1__init____mutmut_{n}": (
+            "the first snapshot and its key (None, (1, 0), (0, 1)): never returned, a real key "
+            "either has id 0 (always taken afresh) or differs; an empty table's snapshot is () "
+            "either way"
+        )
+        for n in (17, 18, 19, 20)
+    },
     "minivllm.beam_search.x\u01c1BeamSearchGroup\u01c1__init____mutmut_27": (
         "finished starts at None for False: only read as a condition"
     ),
-    "minivllm.sequence.x\u01c1Sequence\u01c1__init____mutmut_22": (
+    "minivllm.sequence.x\u01c1Sequence\u01c1__init____mutmut_26": (
         "shares_prompt starts at None for False: only read as a condition (KVCacheManager._caches)"
     ),
     DETOKENIZER + "_find_stop_string__mutmut_4": (

@@ -131,3 +131,14 @@ def test_only_a_sampling_chunk_with_penalties_carries_the_token_ids():
         assert (chunk.prompt_token_ids, chunk.output_token_ids) == (
             ([1, 2, 3], []) if carries else ([], [])
         )
+
+
+def test_a_table_set_by_hand_without_an_id_is_taken_afresh_every_time():
+    # Tests (and nothing else) set tables by hand; with no id the snapshot cannot know
+    # the table changed in place, so it never reuses one.
+    seq = make_seq([1, 2, 3])
+    assert seq.block_table_id == 0 and seq.block_table_snapshot() == ()
+    seq.block_table = [4, 5]
+    assert seq.block_table_snapshot() == (4, 5)
+    seq.block_table[0] = 7
+    assert seq.block_table_snapshot() == (7, 5)
