@@ -236,6 +236,14 @@ EQUIVALENT: dict[str, str] = {
         )
         for n in (9, 18, 25, 34)
     },
+    "minivllm.model_runner.x\u01c1ModelRunner\u01c1__init____mutmut_30": (
+        "the input batch's device set to None: its tensors stay on the CPU, where the mutation "
+        "run is"
+    ),
+    "minivllm.model_runner.x\u01c1ModelRunner\u01c1__init____mutmut_36": (
+        "prev_sampled_token_ids starts at None: the first step has no placeholder to fill "
+        "(nothing was sampled before it), and every step sets it"
+    ),
     INPUT_BATCH + "__init____mutmut_3": (
         "the batch's device set to None: its tensors stay on the CPU, where the mutation run is"
     ),

@@ -104,3 +104,18 @@ def test_a_decode_with_drafts_next_to_a_plain_decode_asking_for_logprobs():
     assert result.sampled_token_ids == {"s": [33, 34, 35], "p": [63]}
     assert list(result.logprobs) == ["p"] and list(result.logprobs["p"][0]) == [63]
     assert result.logprobs["p"][0][63].rank == 1
+
+
+def test_two_requests_asking_for_prompt_logprobs_get_their_own_rows():
+    runner = make_full_echo_runner()
+    out = SchedulerOutput()
+    a = prefill_seq("a", [10, 11, 12], prompt_logprobs=0)
+    b = prefill_seq("b", [40, 41, 50, 51], prompt_logprobs=0)
+    b.block_table = [2, 3]
+    out.add(a, 3)
+    out.add(b, 4)
+    result = runner.execute_model(out)
+    assert {r: [list(row) for row in rows] for r, (_, rows) in result.prompt_logprobs.items()} == {
+        "a": [[11], [12]], "b": [[41], [50], [51]]
+    }  # fmt: skip
+    assert [row[50].rank for row in result.prompt_logprobs["b"][1][1:2]] == [2]
