@@ -106,16 +106,19 @@ def test_a_decode_with_drafts_next_to_a_plain_decode_asking_for_logprobs():
     assert result.logprobs["p"][0][63].rank == 1
 
 
-def test_two_requests_asking_for_prompt_logprobs_get_their_own_rows():
+def test_requests_asking_for_prompt_logprobs_in_one_step_get_their_own_rows():
     runner = make_full_echo_runner()
     out = SchedulerOutput()
     a = prefill_seq("a", [10, 11, 12], prompt_logprobs=0)
     b = prefill_seq("b", [40, 41, 50, 51], prompt_logprobs=0)
     b.block_table = [2, 3]
+    c = prefill_seq("c", [70, 80], prompt_logprobs=0)
+    c.block_table = [3]
     out.add(a, 3)
     out.add(b, 4)
+    out.add(c, 2)
     result = runner.execute_model(out)
     assert {r: [list(row) for row in rows] for r, (_, rows) in result.prompt_logprobs.items()} == {
-        "a": [[11], [12]], "b": [[41], [50], [51]]
+        "a": [[11], [12]], "b": [[41], [50], [51]], "c": [[80]]
     }  # fmt: skip
     assert [row[50].rank for row in result.prompt_logprobs["b"][1][1:2]] == [2]
