@@ -122,3 +122,59 @@ def test_requests_asking_for_prompt_logprobs_in_one_step_get_their_own_rows():
         "a": [[11], [12]], "b": [[41], [50], [51]], "c": [[80]]
     }  # fmt: skip
     assert [row[50].rank for row in result.prompt_logprobs["b"][1][1:2]] == [2]
+
+
+def test_the_model_gets_the_steps_positions_the_kv_cache_and_the_metadata():
+    runner = make_full_echo_runner()
+    calls = []
+    echo = runner.model
+
+    class Recording:
+        config = echo.config
+
+        def __call__(self, input_ids, positions, kv_caches, metadata):
+            calls.append((positions.tolist(), kv_caches, metadata))
+            return echo(input_ids, positions, kv_caches, metadata)
+
+        def compute_logits(self, hidden):
+            return echo.compute_logits(hidden)
+
+    runner.model = Recording()
+    out = SchedulerOutput()
+    out.add(decoding_seq("d", [30, 31], 32), 1)
+    out.add(prefill_seq("p", [5, 6, 7]), 3)
+    assert runner.execute_model(out).sampled_token_ids == {"d": [33], "p": [8]}
+    [(positions, kv_caches, metadata)] = calls
+    assert positions == [2, 0, 1, 2] and kv_caches is runner.kv_caches
+    assert metadata.cu_seqlens_q.tolist() == [0, 1, 4]
+    assert metadata.context_lens.tolist() == [3, 3]
+
+
+def test_a_decode_with_drafts_between_two_plain_decodes_is_read_at_its_own_rows():
+    runner = make_full_echo_runner()
+    first, spec, last = (decoding_seq("a", [10], 11), decoding_seq("s", [30, 31], 32),
+                         decoding_seq("z", [60], 61))  # fmt: skip
+    out = SchedulerOutput()
+    out.add(first, 1)
+    out.add(spec, 1)
+    out.add_draft_tokens(spec, [33, 99])
+    out.add(last, 1)
+    assert runner.execute_model(out).sampled_token_ids == {"a": [12], "s": [33, 34], "z": [62]}
+
+
+def test_a_seeded_request_verifies_its_drafts_with_its_own_generator():
+    import torch
+
+    runner = make_full_echo_runner()
+
+    def verify(seed, global_seed):
+        torch.manual_seed(global_seed)  # what the batch-mates' draws would move
+        seq = decoding_seq("s", [30, 31], 32, temperature=1.0, seed=seed)
+        seq.generator = torch.Generator().manual_seed(seed)
+        out = SchedulerOutput()
+        out.add(seq, 1)
+        out.add_draft_tokens(seq, [77, 78, 79])
+        return runner.execute_model(out).sampled_token_ids["s"]
+
+    assert verify(1, global_seed=0) == verify(1, global_seed=1) == verify(1, global_seed=2)
+    assert len({tuple(verify(s, global_seed=0)) for s in range(4)}) > 1  # it does sample
