@@ -178,3 +178,17 @@ def test_a_seeded_request_verifies_its_drafts_with_its_own_generator():
 
     assert verify(1, global_seed=0) == verify(1, global_seed=1) == verify(1, global_seed=2)
     assert len({tuple(verify(s, global_seed=0)) for s in range(4)}) > 1  # it does sample
+
+
+def test_a_placeholder_after_a_chunk_with_known_inputs_is_filled_too():
+    runner = make_full_echo_runner()
+    first = SchedulerOutput()
+    first.add(decoding_seq("d", [30, 31], 32), 1)
+    runner.execute_model(first)
+    second = SchedulerOutput()
+    second.add(prefill_seq("p", [5, 6]), 2)  # known inputs: nothing to fill
+    seq = decoding_seq("d", [30, 31], 32)
+    seq.num_computed_tokens += 1
+    seq.num_output_placeholders = 1
+    second.add(seq, 1)
+    assert runner.execute_model(second).sampled_token_ids == {"p": [7], "d": [34]}
