@@ -223,9 +223,10 @@ EQUIVALENT: dict[str, str] = {
     },
     **{
         INPUT_BATCH + f"_grow__mutmut_{n}": (
-            "num_blocks / table_ids grown past the last row: entries no row index reaches"
+            "num_blocks / table_ids / row_sources grown past the last row: entries no row "
+            "index reaches"
         )
-        for n in (18, 25)
+        for n in (18, 25, 29)
     },
     INPUT_BATCH + "_update_row__mutmut_15": (
         "`>=` for `>` before copying the new blocks: with none, the copy is of an empty slice"
