@@ -246,7 +246,7 @@ EQUIVALENT: dict[str, str] = {
         "(nothing was sampled before it), and every step sets it"
     ),
     INPUT_BATCH + "_drop_absent__mutmut_7": (
-        'a freed row\'s source set to "" for None: it only has to be no chunk\'s table, and '
+        "a freed row's source set to \"\" for None: it only has to be no chunk's table, and "
         '"" is none either'
     ),
     INPUT_BATCH + "_update_row__mutmut_6": (

@@ -22,7 +22,9 @@ HE, LL, OH = 257, 282, 79
 
 
 def make(tokenizer=True, prompt=(HE, LL, OH), **params):
-    processor = OutputProcessor(byte_level_tokenizer() if tokenizer else None, frozenset({EOS}), 100)
+    processor = OutputProcessor(
+        byte_level_tokenizer() if tokenizer else None, frozenset({EOS}), 100
+    )
     seq = Sequence("r", list(prompt), SamplingParams(**params), prompt="p")
     processor.add_request(seq)
     return processor, seq
