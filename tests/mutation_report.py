@@ -62,6 +62,31 @@ EQUIVALENT: dict[str, str] = {
         "range(end) for range(first, end): blocks before `first` are registered already, and "
         "registering a block again under the hash it has changes nothing (only costs hashing)"
     ),
+    "minivllm.kv_cache_manager.x\u01c1KVCacheManager\u01c1__init____mutmut_14": (
+        "table ids counted from 2, not 1: any ids do that differ from 0 and from each other"
+    ),
+    "minivllm.kv_cache_manager.x\u01c1KVCacheManager\u01c1allocate_slots__mutmut_4": (
+        "the blocks to copy counted at admission too: 0 there anyway, an admitted sequence "
+        "has computed nothing (new, or reset by preemption)"
+    ),
+    **{
+        f"minivllm.kv_cache_manager.x\u01c1KVCacheManager\u01c1allocate_slots__mutmut_{n}": (
+            "the decode shortcut taken less often (`<` for `<=`, `/` for `*`): it only saves "
+            "work, the full path then finds no block missing and returns True, taking nothing"
+        )
+        for n in (13, 14)
+    },
+    "minivllm.scheduler.x\u01c1Scheduler\u01c1_schedule_running__mutmut_5": (
+        "`budget >= 0` for `> 0`: with no budget left each sequence gets 0 new tokens, which "
+        "the branch for idle beams skips: nothing scheduled, nothing preempted"
+    ),
+    "minivllm.scheduler_output.x\u01c1SchedulerOutput\u01c1add__mutmut_4": (
+        "placeholders added when the known ids fill the chunk too (`<=`): [-1] * 0, none"
+    ),
+    "minivllm.scheduler_output.x\u01c1SchedulerOutput\u01c1add__mutmut_45": (
+        "prompt-logprob targets cut at num_prompt_tokens + 1 for - 1: the slice of the prompt "
+        "stops at its end either way"
+    ),
     "minivllm.detokenizer.x\u01c1Detokenizer\u01c1__init____mutmut_9": (
         "_prefix_offset starts at None: token_ids[None:...] slices from 0, like 0, until the "
         "first decoded text sets it"
@@ -139,7 +164,18 @@ EQUIVALENT: dict[str, str] = {
     SAMPLER + "x__token_counts__mutmut_31": (
         "vocab_size + 2 columns for + 1: one more padding column, dropped with the other"
     ),
-    "minivllm.sequence.x\u01c1Sequence\u01c1__init____mutmut_22": (
+    **{
+        f"minivllm.sequence.x\u01c1Sequence\u01c1__init____mutmut_{n}": (
+            "the first snapshot and its key (None, (1, 0), (0, 1)): never returned, a real key "
+            "either has id 0 (always taken afresh) or differs; an empty table's snapshot is () "
+            "either way"
+        )
+        for n in (17, 18, 19, 20)
+    },
+    "minivllm.beam_search.x\u01c1BeamSearchGroup\u01c1__init____mutmut_27": (
+        "finished starts at None for False: only read as a condition"
+    ),
+    "minivllm.sequence.x\u01c1Sequence\u01c1__init____mutmut_26": (
         "shares_prompt starts at None for False: only read as a condition (KVCacheManager._caches)"
     ),
     DETOKENIZER + "_find_stop_string__mutmut_4": (
@@ -167,7 +203,7 @@ EQUIVALENT: dict[str, str] = {
             "a step's tensors are built from its chunks' rows in order (rows are still reused: "
             "test_memory_follows_the_requests_in_flight_not_the_requests_served)"
         )
-        for name in [f"__init____mutmut_{n}" for n in (1, 21, 26, 27, 28, 30, 31, 33, 34)]
+        for name in [f"__init____mutmut_{n}" for n in (1, 23, 28, 29, 30, 32, 33, 35, 36)]
         + [f"_take_row__mutmut_{n}" for n in (5, 17, 21)]
     },
     **{
@@ -175,7 +211,7 @@ EQUIVALENT: dict[str, str] = {
             "more spare columns in the block-table array (or grown one block earlier): only "
             "the first max_blocks columns of a step's rows are read"
         )
-        for name in ("__init____mutmut_9", "_update_row__mutmut_16", "_update_row__mutmut_20")
+        for name in ("__init____mutmut_9", "_update_row__mutmut_18", "_update_row__mutmut_22")
     },
     **{
         INPUT_BATCH + name: (
@@ -187,11 +223,12 @@ EQUIVALENT: dict[str, str] = {
     },
     **{
         INPUT_BATCH + f"_grow__mutmut_{n}": (
-            "num_blocks / table_ids grown past the last row: entries no row index reaches"
+            "num_blocks / table_ids / row_sources grown past the last row: entries no row "
+            "index reaches"
         )
-        for n in (18, 25)
+        for n in (18, 25, 29)
     },
-    INPUT_BATCH + "_update_row__mutmut_15": (
+    INPUT_BATCH + "_update_row__mutmut_17": (
         "`>=` for `>` before copying the new blocks: with none, the copy is of an empty slice"
     ),
     **{
@@ -200,6 +237,22 @@ EQUIVALENT: dict[str, str] = {
         )
         for n in (9, 18, 25, 34)
     },
+    "minivllm.model_runner.x\u01c1ModelRunner\u01c1__init____mutmut_30": (
+        "the input batch's device set to None: its tensors stay on the CPU, where the mutation "
+        "run is"
+    ),
+    "minivllm.model_runner.x\u01c1ModelRunner\u01c1__init____mutmut_36": (
+        "prev_sampled_token_ids starts at None: the first step has no placeholder to fill "
+        "(nothing was sampled before it), and every step sets it"
+    ),
+    INPUT_BATCH + "_drop_absent__mutmut_7": (
+        "a freed row's source set to \"\" for None: it only has to be no chunk's table, and "
+        '"" is none either'
+    ),
+    INPUT_BATCH + "_update_row__mutmut_6": (
+        "the row's source never recorded: the identity shortcut never fires, and the full "
+        "path finds the same table under the same id and copies nothing new"
+    ),
     INPUT_BATCH + "__init____mutmut_3": (
         "the batch's device set to None: its tensors stay on the CPU, where the mutation run is"
     ),

@@ -271,3 +271,50 @@ def test_a_fork_needs_a_parent_with_blocks_and_a_child_without(share):
     child = forked(manager, parent, "c", 9)
     with pytest.raises(AssertionError):
         manager.fork(parent, child)  # already holds blocks
+
+
+def test_without_sharing_copies_of_full_blocks_keep_their_hash_and_a_tight_pool_is_enough():
+    # The pool has exactly the parent's 3 blocks free: the fork fits. The copies of the
+    # full blocks hold the same tokens, so they are registered under the same hashes (a
+    # later request can share them); the partial block's copy has none.
+    manager = KVCacheManager(
+        num_blocks=6, block_size=4, enable_prefix_caching=True, share_forked_blocks=False
+    )
+    parent = make_seq(range(10), "p")
+    compute(manager, parent, 10)
+    assert manager.num_free_blocks == 3
+    child = forked(manager, parent, "c", 99)
+    hashes = manager.allocator.block_hashes
+    assert [hashes[b] for b in child.block_table[:2]] == [hashes[b] for b in parent.block_table[:2]]
+    assert hashes[parent.block_table[0]] is not None and hashes[child.block_table[2]] is None
+    assert manager.num_free_blocks == 0
+
+
+def test_every_new_table_gets_an_id_no_table_had_before():
+    # The contract the runner's persistent batch and `block_table_snapshot` rely on: a
+    # table that is not only grown (a fork's, a copy-on-write's, one cut short) gets a
+    # fresh id, a positive int.
+    manager = KVCacheManager(num_blocks=12, block_size=4)
+    parent = make_seq(range(6), "p")
+    compute(manager, parent, 6)
+    seen = [parent.block_table_id]
+    child = forked(manager, parent, "c", 7)
+    seen.append(child.block_table_id)
+    parent.token_ids.append(8)
+    compute(manager, parent, 1)  # copy-on-write of the shared partial block
+    seen.append(parent.block_table_id)
+    copier = KVCacheManager(num_blocks=12, block_size=4, share_forked_blocks=False)
+    copier._table_ids = manager._table_ids  # one id sequence: ids compared across both
+    other = make_seq(range(6), "o")
+    compute(copier, other, 6)
+    seen.append(other.block_table_id)
+    seen.append(forked(copier, other, "oc", 9).block_table_id)
+    other.token_ids.extend([1, 2, 3])
+    assert copier.allocate_slots(other, 3)
+    seen.append(other.block_table_id)  # grown: the same table
+    other.num_computed_tokens = 6
+    copier.free_surplus_blocks(other)  # cut short: a new one
+    seen.append(other.block_table_id)
+    assert all(isinstance(i, int) and i > 0 for i in seen)
+    assert seen[:5] == sorted(set(seen[:5])) and seen[5] == seen[3] and seen[6] > seen[4]
+    assert child.block_table_snapshot() == tuple(child.block_table)

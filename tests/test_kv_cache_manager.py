@@ -174,3 +174,16 @@ def test_freeing_returns_the_tail_first_so_the_prefix_is_evicted_last():
     table = list(seq.block_table)
     manager.free(seq)
     assert list(manager.allocator.free_block_ids) == table[::-1]
+
+
+def test_a_request_asking_for_prompt_logprobs_gets_no_cache_hit():
+    # Its prompt logprobs need every prompt row computed (vLLM skips the cache too).
+    manager = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    first = Sequence("a", list(range(9)), SamplingParams())
+    assert manager.allocate_slots(first, 9)
+    first.num_computed_tokens = 9
+    manager.cache_full_blocks(first)
+    again = Sequence("b", list(range(9)), SamplingParams())
+    assert len(manager.get_computed_blocks(again)) == 2
+    asks = Sequence("c", list(range(9)), SamplingParams(prompt_logprobs=1))
+    assert manager.get_computed_blocks(asks) == []

@@ -352,3 +352,167 @@ def test_a_running_request_the_budget_does_not_reach_is_not_in_the_step():
     out = step(scheduler)
     assert scheduled(out) == {"a": 1, "b": 1}  # c waits its turn; no empty chunk for it
     assert all(n >= 1 for n in num_new_tokens(out))
+
+
+# --- beam search's hooks: forks, idle beams, copy-on-write -----------------------------------
+
+
+def computed(scheduler: Scheduler, seq: Sequence) -> None:
+    """Schedule and compute ``seq``'s uncomputed tokens, appending nothing: a beam that has
+    reported its row and now waits, idle, for its siblings."""
+    out = scheduler.schedule()
+    assert seq in out.scheduled_seqs
+    scheduler.update_from_output(out, ModelRunnerOutput())
+    assert seq.num_uncomputed_tokens == 0
+
+
+def fork_of(parent: Sequence, request_id: str, token: int) -> Sequence:
+    child = make_seq(request_id, parent.prompt_token_ids)
+    child.token_ids = parent.token_ids[: parent.num_computed_tokens] + [token]
+    return child
+
+
+def test_a_fork_of_a_running_beam_shares_its_blocks_and_runs_at_once():
+    scheduler = make_scheduler(num_blocks=8)
+    clock = iter([1.0, 2.0, 3.0])
+    scheduler.clock = lambda: next(clock)
+    parent = make_seq("a", 6)
+    add(scheduler, parent)
+    computed(scheduler, parent)  # admitted at 1.0
+    child = fork_of(parent, "b", 9)
+    scheduler.fork_request(parent, child)
+    assert list(scheduler.running) == [parent, child] and not scheduler.waiting
+    assert scheduler.requests["b"] is child and child.status is SequenceStatus.RUNNING
+    assert child.block_table == parent.block_table and child.num_computed_tokens == 6
+    assert child.metrics.first_scheduled_time == 2.0
+    assert scheduler.kv_cache_manager.allocator.ref_counts[parent.block_table[0]] == 2
+
+
+@pytest.mark.parametrize("why", ["parent preempted", "batch full", "no room for copies"])
+def test_a_fork_that_cannot_share_now_waits_at_the_back_of_the_queue(why):
+    scheduler = make_scheduler(num_blocks=2 if why == "no room for copies" else 8)
+    if why == "batch full":
+        scheduler.max_num_seqs = 1
+    if why == "no room for copies":
+        scheduler.kv_cache_manager.share_forked_blocks = False
+    parent, other = make_seq("a", 6), make_seq("z", 3)
+    add(scheduler, parent)
+    computed(scheduler, parent)
+    if why == "parent preempted":
+        scheduler._preempt(scheduler.running.pop())
+    add(scheduler, other)
+    child = fork_of(parent, "b", 9)
+    scheduler.fork_request(parent, child)
+    assert scheduler.requests["b"] is child and scheduler.waiting[-1] is child
+    assert child not in scheduler.running and child.block_table == []
+    assert child.status is SequenceStatus.WAITING and child.num_computed_tokens == 0
+
+
+def test_a_running_beam_with_nothing_to_compute_is_skipped_not_preempted():
+    scheduler = make_scheduler(num_blocks=8)
+    a, b = make_seq("a", 4), make_seq("b", 4)
+    add(scheduler, a, b)
+    step(scheduler)
+    b.token_ids.pop()  # b waits idle (its row reported), a has its next token to compute
+    b.num_computed_tokens = b.num_tokens
+    b_before = list(b.block_table)
+    out = step(scheduler)
+    assert scheduled(out) == {"a": 1} and out.preempted == []
+    assert list(scheduler.running) == [a, b] and b.block_table == b_before
+
+
+def test_an_idle_beam_does_not_stop_the_running_after_it():
+    scheduler = make_scheduler(num_blocks=8)
+    a, b = make_seq("a", 4), make_seq("b", 4)
+    add(scheduler, a, b)
+    step(scheduler)  # both get a token to compute
+    a.token_ids.pop()  # a, the oldest, waits idle
+    out = step(scheduler)
+    assert scheduled(out) == {"b": 1}
+
+
+def test_idle_beams_are_preempted_newest_first_until_the_head_of_the_queue_is_admitted():
+    # Every running sequence is a beam waiting idle; the head of the queue needs 2 blocks,
+    # the pool has none left: the newest beams give theirs back, one at a time.
+    scheduler = make_scheduler(num_blocks=6, budget=64)
+    beams = [make_seq(f"b{i}", 8) for i in range(3)]  # 2 blocks each
+    add(scheduler, *beams)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, ModelRunnerOutput())
+    head = make_seq("h", 5)
+    add(scheduler, head)
+    later = make_seq("l", 1)
+    add(scheduler, later)
+    out = scheduler.schedule()
+    assert out.preempted == [beams[2]] and scheduled(out) == {"h": 5}
+    assert list(scheduler.running) == [beams[0], beams[1], head]
+    # The preempted beam goes to the back of the queue, behind later arrivals.
+    assert list(scheduler.waiting) == [later, beams[2]]
+    assert beams[2].status is SequenceStatus.PREEMPTED and beams[2].block_table == []
+    assert scheduler.num_waiting_preempted == 1 and scheduler.num_preemptions == 1
+
+
+def test_several_idle_beams_go_back_oldest_first_behind_the_queue():
+    scheduler = make_scheduler(num_blocks=6, budget=64)
+    beams = [make_seq(f"b{i}", 8) for i in range(3)]
+    add(scheduler, *beams)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, ModelRunnerOutput())
+    head = make_seq("h", 13)  # 4 blocks: two beams must go
+    add(scheduler, head)
+    out = scheduler.schedule()
+    assert out.preempted == [beams[2], beams[1]] and scheduled(out) == {"h": 13}
+    assert list(scheduler.waiting) == [beams[1], beams[2]]
+    assert list(scheduler.running) == [beams[0], head]
+
+
+def test_idle_beams_are_not_preempted_while_anything_runs():
+    scheduler = make_scheduler(num_blocks=4, budget=64)
+    beam, busy = make_seq("b", 8), make_seq("c", 7)
+    add(scheduler, beam, busy)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, ModelRunnerOutput())
+    busy.append_token(NEXT_TOKEN, now=0.0)
+    add(scheduler, make_seq("h", 5))
+    out = scheduler.schedule()
+    assert scheduled(out) == {"c": 1} and out.preempted == []
+
+
+def test_copies_travel_with_the_next_step_that_runs():
+    scheduler = make_scheduler(num_blocks=8)
+    parent = make_seq("a", 6)  # 1 full block and a partial one
+    add(scheduler, parent)
+    computed(scheduler, parent)
+    child = fork_of(parent, "b", 9)
+    parent.append_token(8, now=0.0)
+    scheduler.fork_request(parent, child)
+    shared = parent.block_table[1]
+    out = scheduler.schedule()
+    assert scheduled(out) == {"a": 1, "b": 1}
+    # The parent writes first: it gets the copy, the child keeps the shared block alone.
+    assert out.blocks_to_copy == [(shared, parent.block_table[1])]
+    assert child.block_table[1] == shared and parent.block_table[1] != shared
+    scheduler.update_from_output(out, ModelRunnerOutput())
+    assert scheduler.schedule().blocks_to_copy == []
+
+
+def test_an_empty_step_keeps_its_copies_for_the_next():
+    scheduler = make_scheduler(num_blocks=8)
+    scheduler.kv_cache_manager.blocks_to_copy.append((1, 2))
+    out = scheduler.schedule()
+    assert out.is_empty and out.blocks_to_copy == []
+    add(scheduler, make_seq("a", 3))
+    assert scheduler.schedule().blocks_to_copy == [(1, 2)]
+
+
+def test_idle_beams_with_nobody_waiting_make_an_empty_step_and_keep_their_blocks():
+    scheduler = make_scheduler(num_blocks=6)
+    beams = [make_seq(f"b{i}", 5) for i in range(2)]
+    add(scheduler, *beams)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, ModelRunnerOutput())
+    tables = [list(b.block_table) for b in beams]
+    out = scheduler.schedule()
+    assert out.is_empty and out.preempted == [] and not scheduler.waiting
+    assert list(scheduler.running) == beams and [b.block_table for b in beams] == tables
+    assert scheduler.num_preemptions == 0
