@@ -218,8 +218,12 @@ EQUIVALENT: dict[str, str] = {
             "table ids kept as float64, not int64: compared with != to ids below 2^53, which "
             "float64 holds exactly"
         )
-        for name in ("__init____mutmut_17", "__init____mutmut_19", "_grow__mutmut_22",
-                     "_grow__mutmut_24")  # fmt: skip
+        for name in (
+            "__init____mutmut_17",
+            "__init____mutmut_19",
+            "_grow__mutmut_22",
+            "_grow__mutmut_24",
+        )  # fmt: skip
     },
     **{
         INPUT_BATCH + f"_grow__mutmut_{n}": (
