@@ -26,7 +26,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 import pytest  # noqa: E402
 
-from tests.helpers import TINY_ARCHITECTURES, make_tiny_checkpoint  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    CHAT_TEMPLATE,
+    ENGINE_OPTIONS,
+    MODEL_NAME,
+    TINY_ARCHITECTURES,
+    make_tiny_chat_checkpoint,
+    make_tiny_checkpoint,
+)
 
 
 @pytest.fixture(scope="session", params=TINY_ARCHITECTURES)
@@ -46,3 +53,35 @@ def smollm2_path():
     from minivllm.models.model_files import default_model_path
 
     return default_model_path()
+
+
+# A real `minivllm serve` of the tiny chat model on 127.0.0.1, for the server tests. Module
+# scope: each test module that asks for it gets its own checkpoint, server and offline LLM
+# to compare with, and the server stops when that module's tests end. A module with other
+# needs defines its own fixture of the same name, which takes precedence.
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_tiny_chat_checkpoint(tmp_path_factory.mktemp("served-llama"), CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    from minivllm import EngineConfig, LLMEngine
+    from minivllm.entrypoints.openai.api_server import BackgroundServer
+
+    engine = LLMEngine(EngineConfig(model=str(model_path), **ENGINE_OPTIONS))
+    with BackgroundServer(engine, model_name=MODEL_NAME) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def llm(model_path):
+    from minivllm import LLM
+
+    return LLM(str(model_path), **ENGINE_OPTIONS)
+
+
+@pytest.fixture
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

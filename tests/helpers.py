@@ -72,6 +72,22 @@ def make_tiny_checkpoint(path: Path, architecture: str = "llama", seed: int = 0)
     return path
 
 
+# The tiny chat model the server tests serve (conftest.py's `server`), and its settings.
+MODEL_NAME = "tiny"
+ENGINE_OPTIONS = dict(
+    num_kv_blocks=128,
+    block_size=4,
+    max_num_seqs=16,
+    max_num_batched_tokens=64,
+    attention_backend="torch",  # no kernel compile on the first request
+)
+# A template with words the tiny tokenizer knows ("<s>" and "wN"), so chat works too.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s> {{ message['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<s>{% endif %}"
+)
+
+
 def make_tiny_chat_checkpoint(path: Path, chat_template: str) -> Path:
     """`make_tiny_checkpoint` (llama) whose tokenizer has ``chat_template``: the chat route
     needs one, and the tiny word-level tokenizer has none of its own."""

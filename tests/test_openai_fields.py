@@ -16,8 +16,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
-from minivllm.entrypoints.openai.api_server import BackgroundServer
+from minivllm import SamplingParams
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -26,17 +25,10 @@ from minivllm.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
 )
 from minivllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from tests.helpers import make_tiny_chat_checkpoint
+from tests.helpers import MODEL_NAME
 
 openai = pytest.importorskip("openai")
 
-MODEL_NAME = "tiny"
-ENGINE_OPTIONS = dict(num_kv_blocks=128, block_size=4, max_num_seqs=16,
-                      max_num_batched_tokens=64, attention_backend="torch")  # fmt: skip
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<s> {{ message['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}<s>{% endif %}"
-)
 COMPLETION = {"model": MODEL_NAME, "prompt": "w1 w2 w3", "max_tokens": 2}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 2}
 ROUTES = {"/v1/completions": (COMPLETION, CompletionRequest),
@@ -75,23 +67,6 @@ REFUSED_VALUES = {
 }
 NO_EFFECT = {"user", "metadata", "store", "service_tier", "safety_identifier",
              "prompt_cache_key", "prompt_cache_retention"}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return make_tiny_chat_checkpoint(tmp_path_factory.mktemp("fields-llama"), CHAT_TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def server(model_path):
-    engine = LLMEngine(EngineConfig(model=str(model_path), **ENGINE_OPTIONS))
-    with BackgroundServer(engine, model_name=MODEL_NAME) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def llm(model_path):
-    return LLM(str(model_path), **ENGINE_OPTIONS)
 
 
 @dataclass

@@ -18,53 +18,18 @@ import time
 import httpx
 import pytest
 
-from minivllm import LLM, EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
+from minivllm import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
 from minivllm.entrypoints.async_llm import AsyncLLM
-from minivllm.entrypoints.openai.api_server import BackgroundServer
 from tests.helpers import (
+    ENGINE_OPTIONS,
+    MODEL_NAME,
     free_port,
-    make_tiny_chat_checkpoint,
     wait_until_healthy,
 )
 
 openai = pytest.importorskip("openai")
 
-MODEL_NAME = "tiny"
-ENGINE_OPTIONS = dict(
-    num_kv_blocks=128,
-    block_size=4,
-    max_num_seqs=16,
-    max_num_batched_tokens=64,
-    attention_backend="torch",  # no kernel compile on the first request
-)
-# A template with words the tiny tokenizer knows ("<s>" and "wN"), so chat works too.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<s> {{ message['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}<s>{% endif %}"
-)
 PROMPTS = ["w1 w2 w3", "w10 w20 w30 w40 w50 w60 w70", "w200"]
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return make_tiny_chat_checkpoint(tmp_path_factory.mktemp("serve-llama"), CHAT_TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def server(model_path):
-    engine = LLMEngine(EngineConfig(model=str(model_path), **ENGINE_OPTIONS))
-    with BackgroundServer(engine, model_name=MODEL_NAME) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def llm(model_path):
-    return LLM(str(model_path), **ENGINE_OPTIONS)
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def _wait_until_idle(server, timeout: float = 20.0) -> dict:

@@ -7,38 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from minivllm import LLM, BeamSearchParams, EngineConfig, LLMEngine
+from minivllm import BeamSearchParams
 from minivllm.chat import chat_prompt
-from minivllm.entrypoints.openai.api_server import BackgroundServer
-from tests.helpers import make_tiny_chat_checkpoint
-from tests.test_server import CHAT_TEMPLATE, ENGINE_OPTIONS, MODEL_NAME
+from tests.helpers import MODEL_NAME
 
 openai = pytest.importorskip("openai")
 
 PROMPT = "w1 w2 w3 w4 w5 w6 w7"
 BEAMS = {"use_beam_search": True}
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return make_tiny_chat_checkpoint(tmp_path_factory.mktemp("serve-beam-llama"), CHAT_TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def server(model_path):
-    engine = LLMEngine(EngineConfig(model=str(model_path), **ENGINE_OPTIONS))
-    with BackgroundServer(engine, model_name=MODEL_NAME) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def llm(model_path):
-    return LLM(str(model_path), **ENGINE_OPTIONS)
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def offline_beams(llm, prompt, width, max_tokens, **options) -> list[str]:
