@@ -234,16 +234,19 @@ class KVCacheManager:
         appends them), so their block is registered one step later. Rejected drafts lie
         past ``num_computed_tokens`` and are never registered: no block holding an
         unverified token can be shared."""
-        if not self._caches(seq):
-            return
         if num_computed_tokens is None:
             num_computed_tokens = seq.num_computed_tokens
-        end = min(num_computed_tokens, seq.num_tokens) // self.block_size
+        end = min(num_computed_tokens, len(seq.token_ids)) // self.block_size
+        block_hashes = self.allocator.block_hashes
+        if end == 0 or block_hashes[seq.block_table[end - 1]] is not None:
+            return  # most steps: no block filled since the last call (checked first: cheap)
+        if not self._caches(seq):
+            return
         first = end  # blocks are registered in order: walk back to the first unregistered
-        while first > 0 and self.allocator.block_hashes[seq.block_table[first - 1]] is None:
+        while first > 0 and block_hashes[seq.block_table[first - 1]] is None:
             first -= 1
         for i in range(first, end):
-            parent_hash = b"" if i == 0 else self.allocator.block_hashes[seq.block_table[i - 1]]
+            parent_hash = b"" if i == 0 else block_hashes[seq.block_table[i - 1]]
             block_hash = hash_block_tokens(parent_hash, self._block_tokens(seq, i))
             self.allocator.cache_block(seq.block_table[i], block_hash)
 

@@ -47,7 +47,9 @@ class OutputProcessor:
 
     def add_request(self, seq: Sequence) -> None:
         params = seq.sampling_params
-        self.detokenizers[seq.request_id] = Detokenizer(self.tokenizer, params)
+        # No text asked for: a detokenizer without a tokenizer only counts the tokens.
+        tokenizer = self.tokenizer if params.detokenize else None
+        self.detokenizers[seq.request_id] = Detokenizer(tokenizer, params)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         self.stop_token_ids[seq.request_id] = eos | frozenset(params.stop_token_ids)
         if seq.sampling_params.logprobs is not None:
@@ -65,17 +67,20 @@ class OutputProcessor:
         """Keep this step's logprobs of ``seq``, if it asked, with each token's text. A
         prompt recomputed after a preemption gives rows already kept: they are skipped."""
         request_id = seq.request_id
+        detokenize = seq.sampling_params.detokenize
         if request_id in runner_output.logprobs:
-            self.logprobs[request_id] += self._decoded(runner_output.logprobs[request_id])
+            rows = runner_output.logprobs[request_id]
+            self.logprobs[request_id] += self._decoded(rows, detokenize)
         if request_id in runner_output.prompt_logprobs:
             start, rows = runner_output.prompt_logprobs[request_id]
             kept = self.prompt_logprobs[request_id]
             assert start <= len(kept), "prompt logprobs arrive in order"
-            kept += self._decoded(rows[len(kept) - start :])
+            kept += self._decoded(rows[len(kept) - start :], detokenize)
 
-    def _decoded(self, rows: SampleLogprobs) -> SampleLogprobs:
-        """Each token's text on its own, as vLLM shows it (`convert_tokens_to_string`)."""
-        if self.tokenizer is not None:
+    def _decoded(self, rows: SampleLogprobs, detokenize: bool) -> SampleLogprobs:
+        """Each token's text on its own, as vLLM shows it (`convert_tokens_to_string`),
+        unless the request asked for no text."""
+        if self.tokenizer is not None and detokenize:
             for row in rows:
                 for token_id, logprob in row.items():
                     token = self.tokenizer.convert_ids_to_tokens(token_id)
@@ -131,20 +136,23 @@ class OutputProcessor:
         A finished request's state is dropped here."""
         kind = seq.sampling_params.output_kind
         finished = seq.is_finished
-        detokenizer = self.detokenizers[seq.request_id]
+        request_id = seq.request_id
+        detokenizer = self.detokenizers[request_id]
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         nothing_new = not detokenizer.has_unstreamed_tokens(seq.num_output_tokens)
         if kind is RequestOutputKind.DELTA and not finished and nothing_new:
             return None
         if finished:
-            del self.detokenizers[seq.request_id]
-            del self.stop_token_ids[seq.request_id]
+            del self.detokenizers[request_id]
+            del self.stop_token_ids[request_id]
         if kind is RequestOutputKind.DELTA:
             text, token_ids = detokenizer.take_delta(seq.token_ids, seq.num_prompt_tokens, finished)
         else:
             text, token_ids = detokenizer.text_to_show(finished), seq.output_token_ids
-        logprobs, prompt_logprobs = self._logprobs_to_report(seq, len(token_ids), finished)
+        logprobs = prompt_logprobs = None  # most requests ask for neither
+        if request_id in self.logprobs or request_id in self.prompt_logprobs:
+            logprobs, prompt_logprobs = self._logprobs_to_report(seq, len(token_ids), finished)
         completion = CompletionOutput(
             index=0,
             text=text,
@@ -170,8 +178,6 @@ class OutputProcessor:
         """The dicts of the last ``num_tokens`` output tokens (all of them but DELTA's),
         and the prompt's: DELTA hands those out once, with the first output."""
         request_id = seq.request_id
-        if request_id not in self.logprobs and request_id not in self.prompt_logprobs:
-            return None, None  # most requests: they asked for neither
         logprobs = self.logprobs.get(request_id)
         if logprobs is not None:
             # A stop may have dropped the step's tokens after it: they have no place.

@@ -107,6 +107,8 @@ class ParentRequests:
     def gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Replace the children's outputs of one step by one output per parent, at the
         place of its first child's; outputs of ``n = 1`` requests pass through."""
+        if not self.parents:
+            return outputs  # no n > 1 request in flight: nothing to look up
         gathered: list[RequestOutput | ParentRequest] = []
         seen: set[str] = set()
         for output in outputs:

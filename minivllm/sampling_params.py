@@ -53,6 +53,11 @@ class SamplingParams:
     ``penalty`` once, for tokens in the output so far. ``allowed_token_ids``: only these
     may be sampled.
 
+    ``detokenize=False``: no text is made (``text`` stays ""; token ids and logprobs come
+    as usual, logprobs without ``decoded_token``), for a client that reads token ids only:
+    the request then costs no detokenization per token. Stop strings need the text, so
+    they need ``detokenize=True``.
+
     ``logprobs=k``: each output token comes with its log-probability and the ``k`` most
     likely tokens' (``0``: the sampled token's only); ``prompt_logprobs=k``: the same for
     every prompt token but the first. Both are taken from the model's raw logits, before
@@ -80,6 +85,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -159,6 +165,12 @@ class SamplingParams:
         if self.seed is not None and self.seed + self.n - 1 > SEED_RANGE[1]:
             # child i of an n > 1 request samples with seed + i (parallel_sampling.py)
             raise ValueError(f"seed + n - 1 must fit in 64 bits, got seed={self.seed}, n={self.n}")
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be True or False, got {self.detokenize!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                f"stop strings {self.stop!r} are matched in the text: they need detokenize=True"
+            )
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

@@ -233,3 +233,18 @@ def test_compute_logprobs_is_computed_in_float32_from_half_precision_logits():
         ]
         assert top_logprob.logprob == float(expected[i].max())
         assert top == int(expected[i].argmax()) and top_logprob.rank == 1
+
+
+def test_detokenize_false_gives_the_same_tokens_and_logprobs_without_text(llm):
+    kwargs = dict(temperature=0.8, seed=5, max_tokens=8, logprobs=3, prompt_logprobs=2)
+    [text] = llm.generate({"prompt_token_ids": PROMPT_IDS}, SamplingParams(**kwargs), use_tqdm=False)
+    [ids] = llm.generate(
+        {"prompt_token_ids": PROMPT_IDS}, SamplingParams(**kwargs, detokenize=False), use_tqdm=False
+    )
+    assert text.outputs[0].text and ids.outputs[0].text == ""
+    assert ids.outputs[0].token_ids == text.outputs[0].token_ids
+    assert _values(ids.outputs[0].logprobs) == _values(text.outputs[0].logprobs)
+    assert _values(ids.prompt_logprobs[1:]) == _values(text.prompt_logprobs[1:])
+    rows = ids.outputs[0].logprobs + ids.prompt_logprobs[1:]
+    assert all(lp.decoded_token is None for row in rows for lp in row.values())
+    assert all(lp.decoded_token is not None for row in text.outputs[0].logprobs for lp in row.values())

@@ -314,3 +314,64 @@ def test_a_special_token_left_out_of_the_text_does_not_glue_the_words_around_it(
     processor.add_request(seq)
     processor.append_tokens(seq, [1, 0, 2], now=0.0)  # hello <s> world
     assert processor.make_output(seq).outputs[0].text == "hello world"
+
+
+# --- detokenize=False: token ids only ------------------------------------------------------
+
+
+class UntouchableTokenizer:
+    """Fails the test on any use."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the tokenizer's {name} was used")
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_detokenize_false_makes_no_text_and_never_decodes(kind):
+    """The tokens, the stops and the output come as with text; the text stays empty, and
+    the tokenizer is never called."""
+    params = SamplingParams(max_tokens=9, stop_token_ids=[LD], detokenize=False, output_kind=kind)
+    processor = OutputProcessor(UntouchableTokenizer(), frozenset({EOS}), max_model_len=100)
+    seq = Sequence("r", [5, 6], params)
+    processor.add_request(seq)
+    reported = []
+    sampled = [HE, LL, OH, SPACE, WOR, LD]
+    for token in sampled:
+        stop = feed(processor, seq, [token])
+        output = processor.make_output(seq)
+        if output is not None:
+            reported.append(output)
+        if stop is not None:
+            break
+    assert (stop.reason, stop.stop_reason) == (FinishReason.STOP, LD)
+    assert seq.output_token_ids == sampled
+    assert all(o.outputs[0].text == "" for o in reported)
+    assert [o.finished for o in reported][-1]
+    reported_ids = [o.outputs[0].token_ids for o in reported]
+    if kind is RequestOutputKind.CUMULATIVE:  # everything so far, every step
+        assert reported_ids == [sampled[:i] for i in range(1, 7)]
+    elif kind is RequestOutputKind.DELTA:  # the new token, every step
+        assert reported_ids == [[t] for t in sampled]
+    else:
+        assert reported_ids == [sampled]
+
+
+def test_detokenize_false_and_true_give_the_same_tokens_and_stops():
+    for tokens in ([HE, LL, EOS, OH], [HE, LL, OH, SPACE, WOR, LD, HE]):
+        stops = []
+        for detokenize in (True, False):
+            processor, seq = make(SamplingParams(max_tokens=6, detokenize=detokenize))
+            stop = feed(processor, seq, tokens)
+            stops.append((stop.reason, stop.stop_reason, seq.output_token_ids))
+        assert stops[0] == stops[1]
+
+
+@pytest.mark.parametrize("bad", [0, 1, "no", None])
+def test_detokenize_must_be_a_bool(bad):
+    with pytest.raises(ValueError, match="detokenize must be True or False"):
+        SamplingParams(detokenize=bad)
+
+
+def test_stop_strings_need_detokenize():
+    with pytest.raises(ValueError, match=r"stop strings \['world'\].*need detokenize=True"):
+        SamplingParams(stop="world", detokenize=False)
