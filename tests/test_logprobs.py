@@ -237,7 +237,9 @@ def test_compute_logprobs_is_computed_in_float32_from_half_precision_logits():
 
 def test_detokenize_false_gives_the_same_tokens_and_logprobs_without_text(llm):
     kwargs = dict(temperature=0.8, seed=5, max_tokens=8, logprobs=3, prompt_logprobs=2)
-    [text] = llm.generate({"prompt_token_ids": PROMPT_IDS}, SamplingParams(**kwargs), use_tqdm=False)
+    [text] = llm.generate(
+        {"prompt_token_ids": PROMPT_IDS}, SamplingParams(**kwargs), use_tqdm=False
+    )
     [ids] = llm.generate(
         {"prompt_token_ids": PROMPT_IDS}, SamplingParams(**kwargs, detokenize=False), use_tqdm=False
     )
@@ -247,4 +249,6 @@ def test_detokenize_false_gives_the_same_tokens_and_logprobs_without_text(llm):
     assert _values(ids.prompt_logprobs[1:]) == _values(text.prompt_logprobs[1:])
     rows = ids.outputs[0].logprobs + ids.prompt_logprobs[1:]
     assert all(lp.decoded_token is None for row in rows for lp in row.values())
-    assert all(lp.decoded_token is not None for row in text.outputs[0].logprobs for lp in row.values())
+    assert all(
+        lp.decoded_token is not None for row in text.outputs[0].logprobs for lp in row.values()
+    )
