@@ -60,9 +60,9 @@ from minivllm.engine import LLMEngine
 from minivllm.model_info import ModelInfo
 from minivllm.model_runner import ModelRunner
 from minivllm.models.llama import ModelConfig
-from minivllm.outputs import ModelRunnerOutput
+from minivllm.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
-from minivllm.scheduler_output import SchedulerOutput
+from minivllm.scheduler_output import ScheduledChunk, SchedulerOutput
 from minivllm.simulator.clock import SimClock
 from minivllm.simulator.cost_model import ChunkShape, step_cost
 from minivllm.simulator.executor import SimulatedExecutor
@@ -285,6 +285,40 @@ def measure(
     )  # fmt: skip
 
 
+def per_request_floor(repeats: int = 20_000) -> dict[str, float]:
+    """CPU microseconds of the few objects any engine built like this one makes for each
+    decoding request in each step, each timed alone (the fastest of 5 rounds): the least
+    Python a step can cost per request, whatever else is cut."""
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA)
+    table, tokens, stop_ids = tuple(range(20)), list(range(300)), frozenset({2})
+
+    def chunk():  # the scheduler's record of the request's one new token
+        ScheduledChunk("7", [5], 300, table, sample=True, sampling_params=params)
+
+    def sampled_id():  # the runner hands back its sampled id
+        {}["7"] = [5]
+
+    def append_and_check():  # the token joins the request; stop token and length checked
+        tokens.append(5)
+        tokens.pop()
+        return 5 in stop_ids or len(tokens) - 44 >= 4096
+
+    def request_output():  # what a streaming client receives
+        RequestOutput("7", None, tokens, [CompletionOutput(0, "", [5])], finished=False)
+
+    costs = {}
+    for name, fn in [("chunk", chunk), ("sampled id", sampled_id),
+                     ("append + stop check", append_and_check), ("RequestOutput", request_output)]:  # fmt: skip
+        rounds = []
+        for _ in range(5):
+            start = time.process_time()
+            for _ in range(repeats):
+                fn()
+            rounds.append((time.process_time() - start) / repeats)
+        costs[name] = 1e6 * min(rounds)
+    return costs
+
+
 def markdown(rows: list[Row]) -> str:
     head = "| running | step | detok | " + " | ".join(PHASES) + " | CPU total | GPU step | busy |"
     lines = [head, "|" + " --- |" * (len(PHASES) + 6)]
@@ -297,6 +331,22 @@ def markdown(rows: list[Row]) -> str:
             f"{r.gpu_ms:.2f} | {100 * r.busy:.0f} % |"
         )
     return "\n".join(lines)
+
+
+def print_floor(running_counts: list[int], repeats: int = 20_000) -> None:
+    costs = per_request_floor(repeats)
+    print("| per decoding request, per step | µs |\n| --- | --- |")
+    for name, us in costs.items():
+        print(f"| {name} | {us:.2f} |")
+    print(f"| all four | {sum(costs.values()):.2f} |\n")
+    print("| running | these alone, ms per step | GPU step (ms) | share of the GPU step |")
+    print("| --- | --- | --- | --- |")
+    model, hardware = get_model("llama-3.1-8b"), get_hardware("h200")
+    for n in running_counts:
+        chunks = [ChunkShape(1, PROMPT_LEN + 16, True)] * n  # as in the decode rows
+        gpu_ms = 1e3 * step_cost(model, hardware, chunks).seconds
+        floor_ms = n * sum(costs.values()) / 1e3
+        print(f"| {n} | {floor_ms:.2f} | {gpu_ms:.2f} | {100 * floor_ms / gpu_ms:.1f} % |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,11 +363,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--profile", action="store_true", help="cProfile the measured steps")
     p.add_argument(
+        "--floor",
+        action="store_true",
+        help="only time the objects every decoding request costs per step, and what they "
+        "alone add up to at each --running count",
+    )
+    p.add_argument(
         "--no-freeze-gc", action="store_true", help="leave start-up objects to the collector"
     )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
+    if args.floor:
+        print_floor([int(n) for n in args.running.split(",")])
+        return 0
     tokenizer = None
     if "on" in args.detokenize.split(","):
         from minivllm.models.loader import load_tokenizer

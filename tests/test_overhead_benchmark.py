@@ -48,3 +48,17 @@ def test_the_stand_in_model_samples_deterministically():
     tokens = model.compute_logits(ids).argmax(-1)
     assert tokens.tolist() == model.compute_logits(ids).argmax(-1).tolist()
     assert all(overhead.FIRST_TOKEN <= t < overhead.FAKE_VOCAB for t in tokens.tolist())
+
+
+def test_the_floor_times_each_object_and_scales_with_the_running_count(capsys):
+    costs = overhead.per_request_floor(repeats=200)
+    assert list(costs) == ["chunk", "sampled id", "append + stop check", "RequestOutput"]
+    assert all(0 < us < 1000 for us in costs.values())
+    overhead.print_floor([64, 256], repeats=200)
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in lines[-2:]}
+    assert list(rows) == ["64", "256"]
+    floor_ms = {n: float(cells[0]) for n, cells in rows.items()}
+    gpu_ms = {n: float(cells[1]) for n, cells in rows.items()}
+    assert floor_ms["256"] == pytest.approx(4 * floor_ms["64"], abs=0.02)  # per request
+    assert gpu_ms["256"] > gpu_ms["64"] > 3.3  # more requests, more KV read per step
