@@ -307,8 +307,13 @@ def per_request_floor(repeats: int = 20_000) -> dict[str, float]:
         RequestOutput("7", None, tokens, [CompletionOutput(0, "", [5])], finished=False)
 
     costs = {}
-    for name, fn in [("chunk", chunk), ("sampled id", sampled_id),
-                     ("append + stop check", append_and_check), ("RequestOutput", request_output)]:  # fmt: skip
+    objects = {
+        "chunk": chunk,
+        "sampled id": sampled_id,
+        "append + stop check": append_and_check,
+        "RequestOutput": request_output,
+    }
+    for name, fn in objects.items():
         rounds = []
         for _ in range(5):
             start = time.process_time()

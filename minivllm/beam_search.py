@@ -166,10 +166,14 @@ class BeamSearchGroup:
     def beam_ids(self) -> list[str]:
         return [beam.seq.request_id for beam in self.beams]
 
-    def record(self, seq: Sequence, row: dict[int, Logprob]) -> None:
-        """Keep ``seq``'s logprobs for its next token. A beam recomputed after preemption
-        reports the same row again: the first is kept."""
-        self.rows.setdefault(seq.request_id, row)
+    def record(self, seq: Sequence, row: dict[int, Logprob]) -> bool:
+        """Keep ``seq``'s logprobs for its next token; False if it had reported this round
+        already (a beam recomputed after preemption reports the same row again: the first
+        is kept)."""
+        if seq.request_id in self.rows:
+            return False
+        self.rows[seq.request_id] = row
+        return True
 
     @property
     def ready(self) -> bool:

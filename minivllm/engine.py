@@ -310,8 +310,12 @@ class LLMEngine:
                 continue
             if beam_group_of and seq.request_id in beam_group_of:  # its group decides
                 rows = runner_output.logprobs.get(seq.request_id)
-                if rows:
-                    beam_group_of[seq.request_id].record(seq, rows[0])
+                if rows and beam_group_of[seq.request_id].record(seq, rows[0]):
+                    # One token generated for this beam (vLLM counts each beam's step as
+                    # a one-token request); the first row ends the prompt's prefill.
+                    num_generation_tokens += 1
+                    if seq.num_output_tokens == 0:
+                        num_prompt_tokens += seq.num_prompt_tokens
                 continue
             new_tokens = sampled_token_ids.get(seq.request_id, ())
             num_before = seq.num_output_tokens

@@ -247,6 +247,28 @@ def test_abort_frees_every_beam(tiny):
     assert "r" not in engine.beam_groups and not engine.beam_groups.group_of
 
 
+@pytest.mark.parametrize("regime", ["roomy", "preempting"])
+def test_each_beam_token_and_the_prompt_are_counted_once_in_the_step_stats(tiny, regime):
+    """The per-step counters behind /metrics: one generated token per live beam per
+    round, the prompt once; a beam recomputed after preemption is not counted again."""
+    path, _ = tiny
+    llm = LLM(str(path), **REGIMES[regime])
+    engine = llm.llm_engine
+    engine.step_log = []
+    prompts = [list(range(3, 12)), list(range(20, 26)), [5, 9, 30, 7, 8]]  # 9, 6, 5 tokens
+    params = BeamSearchParams(beam_width=4, max_tokens=8, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_beam_search_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    preemptions = engine.scheduler.num_preemptions
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert sum(s.num_prompt_tokens for s in engine.step_log) == 9 + 6 + 5
+    # Round 1: the one first beam; rounds 2-8: four beams each.
+    assert sum(s.num_generation_tokens for s in engine.step_log) == 3 * (1 + 4 * 7)
+    if regime == "preempting":
+        assert engine.scheduler.num_preemptions > preemptions
+
+
 @pytest.mark.slow  # two worker processes start
 def test_two_tensor_parallel_ranks_copy_blocks_too(tiny, tiny_engines):
     """The copies travel to every rank with the step: beams equal one process's."""

@@ -246,8 +246,8 @@ def test_a_beam_ends_at_max_tokens_with_finish_reason_length():
 def test_record_keeps_the_first_row_of_a_round():
     group = make_group(1)
     seq = group.beams[0].seq
-    group.record(seq, row({5: -0.1}))
-    group.record(seq, row({6: -0.01}))  # a recomputed beam reports again: ignored
+    assert group.record(seq, row({5: -0.1})) is True
+    assert group.record(seq, row({6: -0.01})) is False  # a recomputed beam again: ignored
     report_step = group.step(now=2.0)
     assert seq.output_token_ids == [5] and report_step.dropped == []
     assert group.rows == {} and not group.ready  # the next round starts empty
