@@ -322,9 +322,10 @@ class LLMEngine:
             if has_logprobs:
                 self.output_processor.record_logprobs(seq, runner_output)
             stop = self.output_processor.append_tokens(seq, new_tokens, now)
-            if num_before == 0 and seq.num_output_tokens > 0:  # its prefill is complete
+            num_new = seq.num_output_tokens - num_before  # a stop drops the tokens after it
+            if num_before == 0 and num_new:  # its prefill is complete
                 num_prompt_tokens += seq.num_prompt_tokens
-            num_generation_tokens += seq.num_output_tokens - num_before
+            num_generation_tokens += num_new
             if stop is not None:
                 self.scheduler.finish_requests(seq.request_id, stop.reason, stop.stop_reason)
             output = self.output_processor.make_output(seq)

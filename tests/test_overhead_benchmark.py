@@ -50,15 +50,32 @@ def test_the_stand_in_model_samples_deterministically():
     assert all(overhead.FIRST_TOKEN <= t < overhead.FAKE_VOCAB for t in tokens.tolist())
 
 
-def test_the_floor_times_each_object_and_scales_with_the_running_count(capsys):
+def test_the_floor_times_each_object_and_adds_them_up_per_request():
     costs = overhead.per_request_floor(repeats=200)
     assert list(costs) == ["chunk", "sampled id", "append + stop check", "RequestOutput"]
     assert all(0 < us < 1000 for us in costs.values())
-    overhead.print_floor([64, 256], repeats=200)
-    lines = capsys.readouterr().out.splitlines()
-    rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in lines[-2:]}
-    assert list(rows) == ["64", "256"]
-    floor_ms = {n: float(cells[0]) for n, cells in rows.items()}
+    table = overhead.floor_table({"a": 1.25, "b": 0.75}, [64, 256]).splitlines()
+    assert table[4] == "| all four | 2.00 |"
+    rows = {line.split(" | ")[0]: line.split(" | ")[1:] for line in table[-2:]}
+    assert rows["| 64"][0] == "0.13" and rows["| 256"][0] == "0.51"  # 64 and 256 x 2 µs
     gpu_ms = {n: float(cells[1]) for n, cells in rows.items()}
-    assert floor_ms["256"] == pytest.approx(4 * floor_ms["64"], abs=0.02)  # per request
-    assert gpu_ms["256"] > gpu_ms["64"] > 3.3  # more requests, more KV read per step
+    assert gpu_ms["| 256"] > gpu_ms["| 64"] > 3.3  # more requests, more KV read per step
+
+
+def test_repeats_keep_each_configurations_fastest_run_and_the_json_redraws(tmp_path, capsys):
+    path = tmp_path / "overhead.json"
+    args = ["--running", "8", "--modes", "decode", "--detokenize", "off", "--steps", "2"]
+    args += ["--scheduling", "sync,async", "--repeats", "2", "--json", str(path)]
+    assert overhead.main(args) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 8 ")]
+    data = overhead.json.loads(path.read_text())
+    assert len(printed) == 2 * 2 + 2  # each run as it ends, then the table of the fastest
+    assert [r["async_scheduling"] for r in data["rows"]] == [False, True]
+    runs = {False: [], True: []}
+    for line in printed[:4]:
+        runs[", async" in line].append(float(line.split("|")[-4]))
+    for row in data["rows"]:
+        assert round(row["cpu_total_ms"], 2) == min(runs[row["async_scheduling"]])
+    assert set(data["floor_us"]) == {"chunk", "sampled id", "append + stop check", "RequestOutput"}
+    assert overhead.main(["--from-json", str(path), "--plot", str(tmp_path / "busy.svg")]) == 0
+    assert "GPU busy" in (tmp_path / "busy.svg").read_text()
