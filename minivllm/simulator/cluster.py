@@ -176,11 +176,12 @@ def _rare_collections(threshold: int = 100_000):
     """Python's cycle collector, run once the heap has grown by ``threshold`` objects
     instead of 700, while the engines run. A step allocates a chunk (and its lists) per
     scheduled request, padding included; a chunk outlives a young-generation pass or two
-    during its step, so it ages into the old generation and dies there, and enough such
-    deaths trigger a full pass over everything alive: every queued request and every step
-    record kept so far. Those passes cost more the longer the run (a tenth of a 1,000
-    request simulation, a third of a static one). The engine's objects die by reference
-    counting, not by the collector: the simulation's memory is the same either way."""
+    during its step and so reaches the old generation, to die there. Each time the
+    objects that reached it come to a quarter of those living there, a full pass scans
+    everything alive: every queued request and every step record kept so far. Those
+    passes cost more the longer the run: a fifth to a third of the CPU time of a
+    1,000-request simulation. The engine's objects die by reference
+    counting, not by the collector: the simulation's peak memory is the same either way."""
     old = gc.get_threshold()
     gc.set_threshold(threshold, *old[1:])
     try:
