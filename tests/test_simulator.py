@@ -1,5 +1,6 @@
 """The simulator: the real schedulers on simulated time, replicas, search, the CLI."""
 
+import gc
 import time
 from dataclasses import replace
 
@@ -8,13 +9,19 @@ import pytest
 from minivllm.bench.runner import run_engine
 from minivllm.bench.workloads import BenchRequest, LengthDistribution, Workload, synthetic
 from minivllm.config import EngineConfig
+from minivllm.kv_cache_manager import KVCacheManager
 from minivllm.models.arithmetic import decode_flops, prefill_flops, request_flops
 from minivllm.models.loader import load_hf_config, model_config_from_hf
+from minivllm.sampling_params import SamplingParams
+from minivllm.sequence import Sequence
+from minivllm.simulator.clock import SimClock
 from minivllm.simulator.cluster import Deployment, search_replicas, simulate
 from minivllm.simulator.cost_model import ChunkShape, step_cost
+from minivllm.simulator.executor import SimulatedExecutor
 from minivllm.simulator.hardware import get_hardware
 from minivllm.simulator.models import get_model
 from minivllm.simulator.workloads import chat_workload
+from minivllm.static_scheduler import StaticBatchScheduler
 
 H200 = get_hardware("h200")
 LLAMA_8B = get_model("llama-3.1-8b")
@@ -70,6 +77,31 @@ def test_a_lone_request_takes_exactly_its_predicted_steps():
         decode_flops(LLAMA_8B, c) for c in (101, 102)
     )
     assert run.summary.model_flops == request_flops(LLAMA_8B, 100, 3) == prefill_and_decodes
+
+
+def test_a_padded_step_costs_what_its_chunks_cost():
+    """The executor sums a step from the model runner's inputs: a static batch's prefill,
+    padding chunks included, costs what the cost model gives chunk by chunk."""
+    config = EngineConfig(max_num_seqs=4, max_model_len=64)
+    executor = SimulatedExecutor(LLAMA_8B, H200, config, SimClock())
+    scheduler = StaticBatchScheduler(
+        KVCacheManager(executor.num_kv_blocks, config.block_size), 4, config.max_model_len
+    )
+    for i, prompt_len in enumerate((5, 40, 17)):
+        scheduler.add_request(Sequence(str(i), list(range(3, 3 + prompt_len)), SamplingParams()))
+    out = scheduler.schedule()
+    assert out.num_wasted_tokens == 35 + 23  # two prompts padded to the longest
+    chunks = [ChunkShape(len(c.token_ids), c.context_len, c.sample) for c in out.chunks]
+    executor.step_costs = []
+    executor.execute_model(out)
+    assert executor.step_costs == [step_cost(LLAMA_8B, H200, chunks)]
+    assert executor.clock.now == executor.step_costs[0].seconds
+
+
+def test_the_collector_settings_are_restored_after_a_simulation():
+    before = gc.get_threshold()
+    simulate(EngineConfig(), Deployment(LLAMA_8B, H200), chat_workload(3, "alpaca"))
+    assert gc.get_threshold() == before
 
 
 def test_ten_thousand_requests_in_seconds():

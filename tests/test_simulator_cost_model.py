@@ -1,6 +1,9 @@
 """The simulator's cost model and KV pool sizing against hand-computed values."""
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from minivllm.models import arithmetic
 from minivllm.models.arithmetic import kv_bytes_per_token
@@ -11,6 +14,7 @@ from minivllm.simulator.cost_model import (
     keys_attended,
     kv_read_bytes,
     kv_write_bytes,
+    shape_cost,
     step_bytes,
     step_cost,
     step_flops,
@@ -178,3 +182,27 @@ def test_smollm2_preset_matches_the_converted_checkpoint(smollm2_path):
         hf["num_hidden_layers"], hf["num_attention_heads"], hf["num_key_value_heads"],
     )  # fmt: skip
     assert (shape.vocab_size, shape.head_dim) == (hf["vocab_size"], hf["head_dim"])
+
+
+chunk_shapes = st.builds(
+    lambda n, start, sample, drafts: ChunkShape(n, start + n, sample, 1 + drafts),
+    n=st.integers(1, 600),
+    start=st.integers(0, 5000),
+    sample=st.booleans(),
+    drafts=st.integers(0, 4),
+)
+
+
+@given(st.lists(chunk_shapes, min_size=1, max_size=40))
+def test_a_step_summed_from_arrays_equals_the_step_summed_chunk_by_chunk(chunks):
+    """The executor sums a step from its attention metadata's arrays (`StepShape.of_batch`):
+    the same integers as the chunk-by-chunk sum, so the same step time."""
+    query_lens = np.array([c.num_tokens for c in chunks], dtype=np.int32)
+    context_lens = np.array([c.context_len for c in chunks], dtype=np.int32)
+    num_sampled = sum(c.num_verified for c in chunks if c.sample)
+    assert StepShape.of_batch(query_lens, context_lens, num_sampled) == StepShape.of(chunks)
+    for tp in (1, 2):
+        from_arrays = shape_cost(
+            TINY, TOY_DEVICE, StepShape.of_batch(query_lens, context_lens, num_sampled), tp
+        )
+        assert from_arrays == step_cost(TINY, TOY_DEVICE, chunks, tp)

@@ -11,7 +11,9 @@ replica runs past the next arrival before the router has placed it.
 
 from __future__ import annotations
 
+import gc
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from minivllm.bench.metrics import RequestResult, summarize
@@ -138,10 +140,11 @@ def simulate(
             replica.engine.step_log = []
     pending = sorted(workload.requests, key=lambda r: r.arrival_time)
     prompt_lens = {r.request_id: len(r.prompt_token_ids) for r in pending}
-    for i, request in enumerate(pending):
-        _run_until(replicas, request.arrival_time, prompt_lens)
-        _route(replicas, deployment.router, i).add(request)
-    _run_until(replicas, math.inf, prompt_lens)
+    with _rare_collections():
+        for i, request in enumerate(pending):
+            _run_until(replicas, request.arrival_time, prompt_lens)
+            _route(replicas, deployment.router, i).add(request)
+        _run_until(replicas, math.inf, prompt_lens)
 
     results = [r for replica in replicas for r in replica.results]
     steps = _merged_steps(replicas) if record_steps else []
@@ -166,6 +169,25 @@ def simulate(
         num_kv_blocks=replicas[0].engine.num_kv_blocks,
         spec_decoding=_spec_decoding(replicas),
     )
+
+
+@contextmanager
+def _rare_collections(threshold: int = 100_000):
+    """Python's cycle collector, run once the heap has grown by ``threshold`` objects
+    instead of 700, while the engines run. A step allocates a chunk (and its lists) per
+    scheduled request, padding included; a chunk outlives a young-generation pass or two
+    during its step and so reaches the old generation, to die there. Each time the
+    objects that reached it come to a quarter of those living there, a full pass scans
+    everything alive: every queued request and every step record kept so far. Those
+    passes cost more the longer the run: a fifth to a third of the CPU time of a
+    1,000-request simulation. The engine's objects die by reference
+    counting, not by the collector: the simulation's peak memory is the same either way."""
+    old = gc.get_threshold()
+    gc.set_threshold(threshold, *old[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
 
 
 def _spec_decoding(replicas: list[Replica]) -> SpecDecodingStats | None:

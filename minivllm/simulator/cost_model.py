@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from minivllm.models import arithmetic
 from minivllm.models.llama import ModelConfig
 from minivllm.simulator.hardware import Hardware
@@ -66,6 +68,22 @@ class StepShape:
             keys += keys_attended(c)
             context += c.context_len
         return cls(rows, sampled, keys, context, sampled > 0)
+
+    @classmethod
+    def of_batch(
+        cls, query_lens: np.ndarray, context_lens: np.ndarray, num_sampled: int
+    ) -> StepShape:
+        """The same sums, from a step's per-chunk arrays (``AttentionMetadata``'s query and
+        context lengths) in a few numpy operations instead of one Python object per chunk:
+        a static batch's step has a chunk for every member, padding included, so this is
+        the simulator's per-step cost that grows with the batch. The counts are exact
+        integers, so both ways give the same step."""
+        query_lens = query_lens.astype(np.int64)
+        context_lens = context_lens.astype(np.int64)
+        # `arithmetic.keys_attended`'s formula, elementwise over the chunks.
+        keys = arithmetic.keys_attended(query_lens, context_lens - query_lens)
+        rows, context = int(query_lens.sum()), int(context_lens.sum())
+        return cls(rows, num_sampled, int(keys.sum()), context, num_sampled > 0)
 
 
 def step_flops(model: ModelConfig, step: StepShape, tp: int = 1) -> int:
@@ -143,7 +161,11 @@ def step_cost(
     model: ModelConfig, hardware: Hardware, chunks: list[ChunkShape], tp: int = 1
 ) -> StepCost:
     """The roofline time of one step that computes ``chunks`` on ``tp`` devices."""
-    step = StepShape.of(chunks)
+    return shape_cost(model, hardware, StepShape.of(chunks), tp)
+
+
+def shape_cost(model: ModelConfig, hardware: Hardware, step: StepShape, tp: int = 1) -> StepCost:
+    """`step_cost` of a step whose chunks are already summed."""
     flops = step_flops(model, step, tp)
     num_bytes = step_bytes(model, step, hardware.dtype_bytes, tp)
     num_rows = step.num_rows

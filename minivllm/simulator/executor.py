@@ -1,11 +1,12 @@
 """`SimulatedExecutor`: the engine's executor seam, with a cost model instead of a model.
 
 The engine, its scheduler (continuous or static), the KV-cache manager and the prefix
-cache run unchanged; they cannot tell the difference. Each `execute_model` call turns
-the scheduled chunks into `ChunkShape`s, asks the cost model how long that step would
-take on the simulated hardware, moves the simulated clock forward by that much, and
-"samples" a placeholder token for every chunk that samples. Requests end at their
-``max_tokens`` (the workload's output length, with ``ignore_eos``).
+cache run unchanged; they cannot tell the difference. Each `execute_model` call builds
+the real model runner's inputs for the scheduled chunks, asks the cost model how long
+that step would take on the simulated hardware (from the sums of the chunks' shapes),
+moves the simulated clock forward by that much, and "samples" a placeholder token for
+every chunk that samples. Requests end at their ``max_tokens`` (the workload's output
+length, with ``ignore_eos``).
 
 With speculative decoding, a decode chunk carries draft tokens; the executor costs
 their rows and keeps as many as the `AcceptanceProfile` draws (acceptance.py), so the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
@@ -29,7 +31,7 @@ from minivllm.scheduler_output import SchedulerOutput
 from minivllm.simulator import acceptance
 from minivllm.simulator.acceptance import AcceptanceProfile
 from minivllm.simulator.clock import SimClock
-from minivllm.simulator.cost_model import ChunkShape, StepCost, step_cost
+from minivllm.simulator.cost_model import StepCost, StepShape, shape_cost
 from minivllm.simulator.hardware import Hardware
 from minivllm.simulator.memory import KVPoolSizing, size_kv_pool
 from minivllm.simulator.models import preset_name
@@ -90,19 +92,21 @@ class SimulatedExecutor:
         pass  # nothing to release
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.input_batch.prepare(scheduler_output)
-        chunks = [
-            ChunkShape(len(c.token_ids), c.context_len, c.sample, 1 + c.num_draft_tokens)
-            for c in scheduler_output.chunks
-        ]
-        cost = step_cost(self.model, self.hardware, chunks, self.tensor_parallel_size)
+        _, _, metadata = self.input_batch.prepare(scheduler_output)
+        # Requests' own chunks only (``chunk_of``): padding rows sample nothing.
+        sampling = [c for c in scheduler_output.chunk_of.values() if c.sample]
+        # The cost model sums the chunks from the attention metadata the step just built,
+        # with numpy: no Python object per chunk (a static batch pads every member).
+        query_lens = np.diff(metadata.cu_seqlens_q.numpy())
+        num_sampled = sum(1 + c.num_draft_tokens for c in sampling)  # verified rows too
+        step = StepShape.of_batch(query_lens, metadata.context_lens.numpy(), num_sampled)
+        cost = shape_cost(self.model, self.hardware, step, self.tensor_parallel_size)
         self.clock.advance(cost.seconds)
         if self.step_costs is not None:
             self.step_costs.append(cost)
         sampled = {
             c.request_id: [PLACEHOLDER_TOKEN] * (1 + self._num_accepted(c.num_draft_tokens))
-            for c in scheduler_output.chunks
-            if c.sample
+            for c in sampling
         }
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
