@@ -55,3 +55,16 @@ def test_step_time_figure_is_drawn_from_its_data(tmp_path, lang):
     assert _texts(tmp_path / name) == _texts(results / name), (
         f"{name} is not what its data draws: rerun benchmarks/decode_step_time.py --from-json"
     )
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_busy_figure_is_drawn_from_its_data(tmp_path, lang):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    overhead = _load(ROOT / "benchmarks/overhead.py")
+    results = ROOT / "docs/assets/results"
+    data = overhead.json.loads((results / "overhead-2026-12-03.json").read_text())
+    name = "overhead-busy.svg" if lang == "en" else "overhead-busy.zh.svg"
+    overhead.plot(data, str(tmp_path / name), lang)
+    assert _texts(tmp_path / name) == _texts(results / name), (
+        f"{name} is not what its data draws: rerun benchmarks/overhead.py --from-json"
+    )
