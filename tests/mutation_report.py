@@ -58,9 +58,14 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.block_allocator.x\u01c1BlockAllocator\u01c1allocate__mutmut_7": (
         "popitem(last=None) for last=False: None is false too, the oldest free block is taken"
     ),
-    "minivllm.kv_cache_manager.x\u01c1KVCacheManager\u01c1cache_full_blocks__mutmut_23": (
+    "minivllm.kv_cache_manager.x\u01c1KVCacheManager\u01c1cache_full_blocks__mutmut_30": (
         "range(end) for range(first, end): blocks before `first` are registered already, and "
         "registering a block again under the hash it has changes nothing (only costs hashing)"
+    ),
+    "minivllm.kv_cache_manager.x\u01c1KVCacheManager\u01c1cache_full_blocks__mutmut_10": (
+        "the early return taken less often (`and` for `or`): the full path then registers "
+        "nothing, as no block is full (end 0) or the walk back stops at the registered last "
+        "full one (both callers have allocated the sequence's blocks: its table is not empty)"
     ),
     "minivllm.kv_cache_manager.x\u01c1KVCacheManager\u01c1__init____mutmut_14": (
         "table ids counted from 2, not 1: any ids do that differ from 0 and from each other"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from minivllm.output_processor import OutputProcessor
+from minivllm.outputs import Logprob, ModelRunnerOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.sequence import FinishReason, Sequence
 from tests.test_stop_strings import _split_into_bytes, byte_level_tokenizer
@@ -375,3 +376,35 @@ def test_detokenize_must_be_a_bool(bad):
 def test_stop_strings_need_detokenize():
     with pytest.raises(ValueError, match=r"stop strings \['world'\].*need detokenize=True"):
         SamplingParams(stop="world", detokenize=False)
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_detokenize_false_keeps_the_logprobs_rows_without_their_text(kind):
+    """Logprobs and prompt logprobs are reported as with text, each token without its
+    text, and the tokenizer is never called for them."""
+    params = SamplingParams(
+        max_tokens=2, logprobs=0, prompt_logprobs=0, detokenize=False, output_kind=kind
+    )
+    processor = OutputProcessor(UntouchableTokenizer(), frozenset({EOS}), max_model_len=100)
+    seq = Sequence("r", [5, 6], params)
+    processor.add_request(seq)
+    output_rows, prompt_rows = [], []
+    for i, token in enumerate([HE, LL]):
+        out = ModelRunnerOutput({"r": [token]}, logprobs={"r": [{token: Logprob(-1.0 - i)}]})
+        if i == 0:
+            out.prompt_logprobs["r"] = (1, [{6: Logprob(-3.0)}])
+        processor.record_logprobs(seq, out)
+        feed(processor, seq, [token])
+        output = processor.make_output(seq)
+        if output is not None:
+            output_rows = (output_rows if kind is RequestOutputKind.DELTA else []) + list(
+                output.outputs[0].logprobs
+            )
+            prompt_rows = output.prompt_logprobs or prompt_rows
+    assert seq.is_finished
+    assert [[(t, lp.logprob) for t, lp in r.items()] for r in output_rows] == [
+        [(HE, -1.0)], [(LL, -2.0)]
+    ]  # fmt: skip
+    assert prompt_rows[0] is None and [list(r) for r in prompt_rows[1:]] == [[6]]
+    rows = output_rows + prompt_rows[1:]
+    assert all(lp.decoded_token is None for row in rows for lp in row.values())
