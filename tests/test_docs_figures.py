@@ -7,6 +7,7 @@ the matplotlib version)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -44,27 +45,30 @@ def test_mixed_step_figure_is_what_the_model_runner_builds(tmp_path):
         )
 
 
-@pytest.mark.parametrize("lang", ["en", "zh"])
-def test_step_time_figure_is_drawn_from_its_data(tmp_path, lang):
+def _assert_drawn_from_its_data(tmp_path, script: str, data_file: str, figure: str, lang: str):
+    """``benchmarks/<script>.py``'s ``plot`` draws the committed SVG (``figure``, or its
+    ``.zh.svg`` twin) from the committed data."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    decode_step_time = _load(ROOT / "benchmarks/decode_step_time.py")
+    module = _load(ROOT / f"benchmarks/{script}.py")
     results = ROOT / "docs/assets/results"
-    data = decode_step_time.json.loads((results / "decode-step-time-2026-12-03.json").read_text())
-    name = "decode-step-time.svg" if lang == "en" else "decode-step-time.zh.svg"
-    decode_step_time.plot(data, str(tmp_path / name), lang)
+    data = json.loads((results / data_file).read_text())
+    name = figure if lang == "en" else figure.replace(".svg", ".zh.svg")
+    module.plot(data, str(tmp_path / name), lang)
     assert _texts(tmp_path / name) == _texts(results / name), (
-        f"{name} is not what its data draws: rerun benchmarks/decode_step_time.py --from-json"
+        f"{name} is not what its data draws: rerun benchmarks/{script}.py --from-json"
     )
 
 
 @pytest.mark.parametrize("lang", ["en", "zh"])
+def test_step_time_figure_is_drawn_from_its_data(tmp_path, lang):
+    _assert_drawn_from_its_data(
+        tmp_path, "decode_step_time", "decode-step-time-2026-12-03.json",
+        "decode-step-time.svg", lang,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
 def test_busy_figure_is_drawn_from_its_data(tmp_path, lang):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    overhead = _load(ROOT / "benchmarks/overhead.py")
-    results = ROOT / "docs/assets/results"
-    data = overhead.json.loads((results / "overhead-2026-12-03.json").read_text())
-    name = "overhead-busy.svg" if lang == "en" else "overhead-busy.zh.svg"
-    overhead.plot(data, str(tmp_path / name), lang)
-    assert _texts(tmp_path / name) == _texts(results / name), (
-        f"{name} is not what its data draws: rerun benchmarks/overhead.py --from-json"
+    _assert_drawn_from_its_data(
+        tmp_path, "overhead", "overhead-2026-12-03.json", "overhead-busy.svg", lang
     )

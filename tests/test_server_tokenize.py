@@ -15,14 +15,11 @@ from hypothesis import strategies as st
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
 
-from minivllm import EngineConfig, LLMEngine
 from minivllm.chat import chat_prompt
-from minivllm.entrypoints.openai.api_server import BackgroundServer
-from tests.helpers import TINY_VOCAB, make_tiny_chat_checkpoint
+from tests.helpers import MODEL_NAME, TINY_VOCAB, make_tiny_chat_checkpoint
 
-MODEL_NAME = "tiny"
-ENGINE_OPTIONS = dict(num_kv_blocks=128, block_size=4, max_num_seqs=16,
-                      max_num_batched_tokens=64, attention_backend="torch")  # fmt: skip
+# Its own template: this model's tokenizer adds a BOS itself (the shared `server` fixture of
+# conftest.py serves this module's `model_path`).
 CHAT_TEMPLATE = (
     "{% for message in messages %}<s> {{ message['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}<s>{% endif %}"
@@ -49,13 +46,6 @@ def tokenizer(model_path):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     assert tokenizer("w5").input_ids == [BOS, 8]  # encoding adds a BOS
     return tokenizer
-
-
-@pytest.fixture(scope="module")
-def server(model_path):
-    engine = LLMEngine(EngineConfig(model=str(model_path), **ENGINE_OPTIONS))
-    with BackgroundServer(engine, model_name=MODEL_NAME) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
