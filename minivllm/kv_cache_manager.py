@@ -236,7 +236,7 @@ class KVCacheManager:
         unverified token can be shared."""
         if num_computed_tokens is None:
             num_computed_tokens = seq.num_computed_tokens
-        end = min(num_computed_tokens, len(seq.token_ids)) // self.block_size
+        end = min(num_computed_tokens, seq.num_tokens) // self.block_size
         block_hashes = self.allocator.block_hashes
         if end == 0 or block_hashes[seq.block_table[end - 1]] is not None:
             return  # most steps: no block filled since the last call (checked first: cheap)
