@@ -26,6 +26,8 @@ from minivllm.sequence import Sequence
 # Async scheduling: the input of a decode whose token the step before is still sampling.
 # The model runner replaces it with that sample before the step runs.
 PLACEHOLDER_TOKEN_ID = -1
+# Static batching: what padding rows feed the model; their outputs are thrown away.
+PAD_TOKEN_ID = 0
 
 
 @dataclass(slots=True)  # slots: one is built per scheduled request per step
@@ -82,7 +84,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     """One step: ``num_scheduled_tokens[request_id]`` new tokens for each request in
     ``scheduled_seqs``, computed as ``chunks``. A scheduler may add chunks that advance no
-    request (static batching's padding): their rows are computed and thrown away."""
+    request (static batching's padding, `add_padding`): their rows are computed and thrown
+    away, and counted as they are added."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     scheduled_seqs: list[Sequence] = field(default_factory=list)
@@ -99,6 +102,9 @@ class SchedulerOutput:
     # Copy-on-write (kv_cache_manager.py): (src, dst) block ids whose keys and values the
     # runner copies, in every layer, before this step's forward (vLLM v0's blocks_to_copy).
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Padding: the request id of each chunk that advances no request, and their rows.
+    wasted_ids: list[str] = field(default_factory=list)
+    num_wasted_tokens: int = 0
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         """Schedule the next ``num_new_tokens`` of ``seq``, from its ``num_computed_tokens``."""
@@ -133,6 +139,16 @@ class SchedulerOutput:
         self.scheduled_seqs.append(seq)
         self.num_scheduled_tokens[seq.request_id] = num_new_tokens
         self.is_prefill[seq.request_id] = seq.is_prefill
+
+    def add_padding(self, seq: Sequence, position: int, num_rows: int) -> None:
+        """``num_rows`` rows at ``position...`` in ``seq``'s blocks, computed and thrown
+        away. To attention they are one more sequence; they advance nobody and sample
+        nothing. The table is the request's own snapshot: no copy per step."""
+        padding = [PAD_TOKEN_ID] * num_rows
+        table = seq.block_table_snapshot()
+        self.chunks.append(ScheduledChunk(seq.request_id, padding, position, table, sample=False))
+        self.wasted_ids.append(seq.request_id)
+        self.num_wasted_tokens += num_rows
 
     def add_draft_tokens(self, seq: Sequence, draft_token_ids: list[int]) -> None:
         """Extend ``seq``'s decode chunk, already scheduled, with draft tokens, once the
@@ -171,27 +187,9 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens - self.num_decode_tokens
 
     @property
-    def num_wasted_tokens(self) -> int:
-        return self.num_rows - self.total_num_scheduled_tokens
-
-    @property
     def decode_ids(self) -> list[str]:
         return [r for r, prefill in self.is_prefill.items() if not prefill]
 
     @property
     def prefill_ids(self) -> list[str]:
         return [r for r, prefill in self.is_prefill.items() if prefill]
-
-    @property
-    def wasted_ids(self) -> list[str]:
-        """One entry per chunk of rows that advance no request."""
-        if self.num_rows == self.total_num_scheduled_tokens:
-            return []  # every row advances a request (all but static batching's padding)
-        progress = dict(self.num_scheduled_tokens)
-        ids = []
-        for chunk in self.chunks:  # a request's real chunk comes before its wasted rows
-            useful = min(len(chunk.token_ids), progress.get(chunk.request_id, 0))
-            progress[chunk.request_id] = progress.get(chunk.request_id, 0) - useful
-            if useful < len(chunk.token_ids):
-                ids.append(chunk.request_id)
-        return ids

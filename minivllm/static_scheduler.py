@@ -28,11 +28,9 @@ from collections.abc import Iterable
 
 from minivllm.kv_cache_manager import KVCacheManager
 from minivllm.outputs import ModelRunnerOutput
-from minivllm.scheduler_output import ScheduledChunk, SchedulerOutput
+from minivllm.scheduler_output import SchedulerOutput
 from minivllm.sequence import FinishReason, Sequence, SequenceStatus
 from minivllm.spec_decode import SpecDecodingStats
-
-PAD_TOKEN_ID = 0  # what padding rows feed the model; their outputs are thrown away
 
 
 class StaticBatchScheduler:
@@ -97,7 +95,7 @@ class StaticBatchScheduler:
         for seq in self.running:
             out.add(seq, seq.num_tokens)
             if seq.num_tokens < padded_len:
-                self._add_padding(out, seq, seq.num_tokens, padded_len - seq.num_tokens)
+                out.add_padding(seq, seq.num_tokens, padded_len - seq.num_tokens)
         return out
 
     def _decode_batch(self) -> SchedulerOutput:
@@ -112,16 +110,8 @@ class StaticBatchScheduler:
             # Where this slot would be had it kept generating; it stays inside its region.
             position = seq.num_prompt_tokens + self.num_decode_steps - 1
             position = min(position, self.max_model_len - 1)
-            self._add_padding(out, seq, position, 1)
+            out.add_padding(seq, position, 1)
         return out
-
-    def _add_padding(self, out: SchedulerOutput, seq: Sequence, position: int, n: int) -> None:
-        """``n`` rows at ``position...`` in ``seq``'s region, computed and thrown away. To
-        attention they are one more sequence; they advance nobody and sample nothing."""
-        padding = [PAD_TOKEN_ID] * n
-        table = seq.block_table_snapshot()  # shared with its real chunks: no copy per step
-        chunk = ScheduledChunk(seq.request_id, padding, position, table, sample=False)
-        out.chunks.append(chunk)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput

@@ -18,15 +18,8 @@ from hypothesis import strategies as st
 from minivllm.input_batch import InputBatch
 from minivllm.model_runner import ModelRunner
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler_output import ScheduledChunk, SchedulerOutput
+from minivllm.scheduler_output import PAD_TOKEN_ID, ScheduledChunk, SchedulerOutput
 from minivllm.sequence import Sequence
-from minivllm.static_scheduler import PAD_TOKEN_ID
-
-
-def padding_chunk(seq, start_position, num_tokens):
-    """Static batching's padding rows in ``seq``'s region: computed, never sampled."""
-    tokens = [PAD_TOKEN_ID] * num_tokens
-    return ScheduledChunk(seq.request_id, tokens, start_position, seq.block_table, sample=False)
 
 
 def make_runner(block_size: int) -> ModelRunner:
@@ -45,10 +38,12 @@ def running_seq(request_id, token_ids, num_computed, block_table):
 
 
 def prepare(runner, chunks, padding=()):
+    """``padding``: static batching's (seq, position, rows), after every real chunk."""
     out = SchedulerOutput()
     for seq, num_new in chunks:
         out.add(seq, num_new)
-    out.chunks.extend(padding)
+    for seq, position, num_rows in padding:
+        out.add_padding(seq, position, num_rows)
     input_ids, positions, metadata = runner.prepare_inputs(out)
     return input_ids.tolist(), positions.tolist(), metadata
 
@@ -108,7 +103,7 @@ def test_padding_rows_follow_the_real_rows_in_their_members_region():
     runner = make_runner(block_size=4)
     short = running_seq("s", [1, 2], num_computed=0, block_table=[2, 3])
     long = running_seq("l", [4, 5, 6, 7, 8], num_computed=0, block_table=[0, 1])
-    padding = [padding_chunk(short, start_position=2, num_tokens=3)]
+    padding = [(short, 2, 3)]
     input_ids, positions, metadata = prepare(runner, [(short, 2), (long, 5)], padding)
     assert input_ids == [1, 2, 4, 5, 6, 7, 8] + [PAD_TOKEN_ID] * 3
     assert positions == [0, 1, 0, 1, 2, 3, 4, 2, 3, 4]
@@ -169,7 +164,7 @@ def test_padding_rows_are_never_sampled():
     out = SchedulerOutput()
     out.add(short, 1)
     out.add(long, 3)
-    out.chunks.append(padding_chunk(short, start_position=1, num_tokens=2))
+    out.add_padding(short, position=1, num_rows=2)
     assert sampled(runner, out) == {"s": 41, "l": 53}
 
 

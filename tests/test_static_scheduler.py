@@ -10,8 +10,9 @@ from __future__ import annotations
 from minivllm.kv_cache_manager import KVCacheManager
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.scheduler_output import PAD_TOKEN_ID
 from minivllm.sequence import FinishReason, Sequence, SequenceStatus
-from minivllm.static_scheduler import PAD_TOKEN_ID, StaticBatchScheduler
+from minivllm.static_scheduler import StaticBatchScheduler
 
 NEXT_TOKEN = 7
 

@@ -9,7 +9,12 @@ table is the same; the prompt tokens a chunk's rows predict; wasted rows.
 from __future__ import annotations
 
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledChunk, SchedulerOutput
+from minivllm.scheduler_output import (
+    PAD_TOKEN_ID,
+    PLACEHOLDER_TOKEN_ID,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from minivllm.sequence import Sequence
 
 
@@ -100,13 +105,18 @@ def test_the_prompt_tokens_each_chunk_predicts():
     assert out.chunks[0].prompt_logprob_token_ids == []
 
 
-def test_wasted_rows_are_only_those_that_advance_no_request():
-    seq = make_seq([1, 2, 3])
+def test_padding_is_counted_apart_from_the_rows_that_advance_requests():
+    seq, other = make_seq([1, 2, 3]), make_seq([4, 5])
     out = SchedulerOutput()
     out.add(seq, 3)
-    assert out.wasted_ids == []
-    out.chunks.append(ScheduledChunk("pad", [0, 0], 0, (), sample=False))
-    assert out.wasted_ids == ["pad"]
+    assert (out.wasted_ids, out.num_wasted_tokens) == ([], 0)
+    out.add_padding(other, position=2, num_rows=2)
+    out.add_padding(seq, position=3, num_rows=1)
+    assert out.wasted_ids == [other.request_id, seq.request_id]
+    assert out.num_wasted_tokens == 3
+    assert out.num_rows == 6 and out.total_num_scheduled_tokens == 3
+    assert [c.token_ids for c in out.chunks[1:]] == [[PAD_TOKEN_ID] * 2, [PAD_TOKEN_ID]]
+    assert [(c.start_position, c.sample) for c in out.chunks[1:]] == [(2, False), (3, False)]
 
 
 def test_a_chunk_past_the_known_ids_keeps_them_and_adds_a_placeholder_per_missing_token():
