@@ -145,8 +145,6 @@ def test_every_openai_field_is_honoured_or_refused(http, route):
 def test_vllm_fields_it_does_not_implement_are_refused(http, route):
     base, _ = ROUTES[route]
     refused = [("guided_json", {}), ("bad_words", ["w1"]), ("truncate_prompt_tokens", 3)]
-    if route.endswith("chat/completions"):  # completions has it (test_server_logprobs.py)
-        refused.append(("prompt_logprobs", 1))
     for field, value in refused:
         assert_refused(http.post(route, base | {field: value}), field, named=True)
     reply = http.post(route, base | {"stream_options": {"continuous_usage_stats": True}})

@@ -1,9 +1,9 @@
 """Logprobs over HTTP, with the official openai client against a real server: the
 completions route's ``{tokens, token_logprobs, top_logprobs, text_offset}`` (also with
 ``echo``, as lm-eval scores a text: ``max_tokens`` 0 or 1), chat's ``content`` list,
-streamed and not, and vLLM's ``prompt_logprobs`` field; all equal what `LLM.generate`
-returns for the same request. Out-of-range counts (-1, vLLM's "whole vocabulary", too)
-are a 400 naming the field."""
+streamed and not, and vLLM's ``prompt_logprobs`` field (chat's: the templated prompt's,
+top-level); all equal what `LLM.generate` returns for the same request. Out-of-range
+counts (-1, vLLM's "whole vocabulary", too) are a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -181,6 +181,40 @@ def test_chat_logprobs_and_top_logprobs(client, llm):
     assert plain.choices[0].logprobs is None
 
 
+def test_chat_prompt_logprobs_are_the_completions_ones_for_the_templated_prompt(
+    client, server, llm
+):
+    """vLLM's extra field on chat: the templated prompt's rows, top-level in the response
+    (one list for all the choices), exactly what completions sends for the same ids."""
+    k, messages = 3, [{"role": "user", "content": PROMPT}]
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=2, temperature=0, n=2,
+        extra_body={"prompt_logprobs": k},
+    )  # fmt: skip
+    templated = httpx.post(
+        server.url + "/tokenize", json={"model": MODEL_NAME, "messages": messages}, timeout=30
+    ).json()["tokens"]
+    rows = reply.prompt_logprobs
+    assert len(rows) == len(templated) == reply.usage.prompt_tokens > len(PROMPT.split())
+    assert rows[0] is None
+    for row, token_id in zip(rows[1:], templated[1:]):
+        actual = row[str(token_id)]  # the prompt's own token, whatever its rank
+        assert set(actual) == {"logprob", "rank", "decoded_token"}
+        assert actual["logprob"] <= 0 and actual["rank"] >= 1
+        assert len(row) <= k + 1 and {e["rank"] for e in row.values()} >= set(range(1, k + 1))
+    assert all("prompt_logprobs" not in c.model_extra for c in reply.choices)
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt=templated, max_tokens=2, temperature=0,
+        extra_body={"prompt_logprobs": k},
+    )  # fmt: skip
+    assert rows == completion.choices[0].prompt_logprobs  # exact: same ids, logprobs, ranks
+    [out] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k),
+                     use_tqdm=False)  # fmt: skip
+    assert out.prompt_token_ids == templated and rows == prompt_rows(out.prompt_logprobs)
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2)
+    assert plain.prompt_logprobs is None
+
+
 @pytest.mark.parametrize(
     "route, fields, param",
     [
@@ -196,6 +230,14 @@ def test_chat_logprobs_and_top_logprobs(client, llm):
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"prompt_logprobs": 1, "use_beam_search": True},
+            "prompt_logprobs",
+        ),
     ],
 )
 def test_out_of_range_logprobs_get_a_400_naming_the_field(server, route, fields, param):

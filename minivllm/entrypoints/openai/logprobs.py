@@ -12,6 +12,7 @@ from minivllm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
     PromptLogprob,
+    PromptLogprobsJSON,
 )
 from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
@@ -47,8 +48,11 @@ def completion_logprobs(
     return result
 
 
-def prompt_logprobs_json(rows: PromptLogprobs) -> list[dict[int, PromptLogprob] | None]:
-    """vLLM's ``prompt_logprobs`` field: the engine's rows as they are, by token id."""
+def prompt_logprobs_json(rows: PromptLogprobs | None) -> PromptLogprobsJSON | None:
+    """vLLM's ``prompt_logprobs`` field: the engine's rows as they are, by token id
+    (``None``, the field's null, where the request did not ask for them)."""
+    if rows is None:
+        return None
     return [
         None
         if row is None
@@ -130,16 +134,14 @@ class CompletionChoices:
             first_text = self._token_text(token_ids[0]) if token_ids else ""
             logprobs = completion_logprobs(token_ids, rows, first_text, offset)
             self.text_offset[completion.index] += sum(map(len, logprobs.tokens))
-        prompt_logprobs = None
-        if self.send_prompt_logprobs and self.prompt_logprobs is not None:
-            prompt_logprobs = prompt_logprobs_json(self.prompt_logprobs)
+        prompt_logprobs = self.prompt_logprobs if self.send_prompt_logprobs else None
         return CompletionChoice(
             index=completion.index,
             text=text,
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs_json(prompt_logprobs),
         )
 
     def _prompt_text(self, output: RequestOutput) -> str:

@@ -96,6 +96,10 @@ class SamplingFields(OpenAIRequestModel):
     min_tokens: int = 0  # vLLM extra
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM extra: each prompt token's logprob and the top ones there (0 .. MAX_LOGPROBS),
+    # sent back as ``prompt_logprobs`` (completions: in each choice; chat: in the response,
+    # as vLLM does); not in a stream (vLLM refuses that too).
+    prompt_logprobs: int | None = None
     # vLLM extras: beam search. ``n`` beams are kept and come back as the choices, best first.
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -143,6 +147,12 @@ class SamplingFields(OpenAIRequestModel):
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """Raises ValueError naming the bad field (its first word) for a bad value."""
+        check_num_logprobs("prompt_logprobs", self.prompt_logprobs)
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError(
+                "prompt_logprobs are not available with stream: true (as in vLLM); "
+                "ask for them without streaming"
+            )
         return SamplingParams(
             n=self.n,
             temperature=self.temperature,
@@ -162,6 +172,7 @@ class SamplingFields(OpenAIRequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             ignore_eos=self.ignore_eos,
+            prompt_logprobs=self.prompt_logprobs,
             # Streams get each step's new text; a plain response only the final result.
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
@@ -187,18 +198,14 @@ class CompletionRequest(SamplingFields):
     # tokens' too); then ``max_tokens: 0`` asks for the prompt alone, as lm-eval does.
     echo: bool = False
     logprobs: int | None = None  # the top ones per token: 0 .. MAX_LOGPROBS
-    # vLLM extra: each prompt token's logprob and the top ones there (0 .. MAX_LOGPROBS),
-    # sent back as the choice's ``prompt_logprobs``; not in a stream (vLLM refuses that
-    # too). With ``echo`` it also sets how many top ones the echoed prompt shows, as in
-    # vLLM; without it, ``echo`` + ``logprobs`` asks for ``logprobs`` of them.
-    prompt_logprobs: int | None = None
     # Declared to be refused with a clear message unless they ask for nothing.
     suffix: str | None = None
     best_of: int | None = None  # only 1 (= n): one sample, best of one
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         check_num_logprobs("logprobs", self.logprobs)
-        check_num_logprobs("prompt_logprobs", self.prompt_logprobs)
+        # ``echo`` + ``logprobs`` needs the prompt's rows too: ``prompt_logprobs`` of the
+        # top ones there if given (as in vLLM), else ``logprobs``.
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo:
             prompt_logprobs = self.logprobs
@@ -314,15 +321,19 @@ class PromptLogprob(OpenAIBaseModel):
     decoded_token: str | None = None
 
 
+# vLLM's ``prompt_logprobs`` in a response: per prompt token, token id -> its entry (the
+# prompt's token and the top ones); the first is null, nothing predicts it. JSON keys are
+# strings: "42".
+PromptLogprobsJSON = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIBaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    # vLLM's: per prompt token, token id -> its entry (the prompt's token and the top
-    # ones); the first is null, nothing predicts it. JSON keys are strings: "42".
-    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -368,6 +379,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    # The templated prompt's, once for all the choices (vLLM's place for them in chat).
+    prompt_logprobs: PromptLogprobsJSON | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):

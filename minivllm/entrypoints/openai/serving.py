@@ -24,7 +24,11 @@ from minivllm.engine import Prompt
 from minivllm.entrypoints.async_llm import AsyncLLM, RequestStream
 from minivllm.entrypoints.live import LiveRequests
 from minivllm.entrypoints.openai.errors import RequestError, error_from_exception
-from minivllm.entrypoints.openai.logprobs import CompletionChoices, chat_logprobs
+from minivllm.entrypoints.openai.logprobs import (
+    CompletionChoices,
+    chat_logprobs,
+    prompt_logprobs_json,
+)
 from minivllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -78,12 +82,6 @@ class OpenAIServing:
         _refuse_unless(
             request.best_of in (None, 1), "best_of", " (only best_of=1: vLLM v1 removed it; use n)"
         )
-        if request.stream and request.prompt_logprobs is not None:
-            raise RequestError(
-                "prompt_logprobs are not available with stream: true (as in vLLM); "
-                "ask for them without streaming",
-                "prompt_logprobs",
-            )
         prompt = _single_prompt(request.prompt)
         label = prompt if isinstance(prompt, str) else f"[{len(prompt)} token ids]"
         if isinstance(prompt, str):
@@ -171,6 +169,7 @@ class OpenAIServing:
                 for completion in final.outputs
             ],
             usage=_usage(final),
+            prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs),
         )
 
     def _chat_prompt(self, messages: list[dict], max_tokens: int | None) -> Callable[[], Prompt]:
