@@ -44,9 +44,6 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.static_scheduler.x\u01c1StaticBatchScheduler\u01c1__init____mutmut_11": (
         "num_decode_steps starts at 1: _start_batch sets it to 0 before anything reads it"
     ),
-    "minivllm.static_scheduler.x\u01c1StaticBatchScheduler\u01c1_add_padding__mutmut_8": (
-        "a padding chunk with sample=None for False: `sample` is only read as a condition"
-    ),
     REJECTION_SAMPLER + "x_accept_random__mutmut_10": (
         "`u <= p` for `u < p`: differs only when the uniform draw equals p exactly, which has "
         "probability 0 (2^-24 per draw in float32)"
