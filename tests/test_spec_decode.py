@@ -173,6 +173,18 @@ def test_the_rejection_sampler_verifies_greedy_drafts_against_the_argmax():
     assert RejectionSampler()(logits, [5, 9, 7], greedy, None) == [5, 6]
 
 
+def test_greedy_verification_applies_the_requests_token_bias_to_every_row():
+    """allowed_token_ids and logit_bias hold at every verified position, as when sampling
+    one token at a time: the argmax is taken after them, row by row."""
+    logits = torch.full((3, 10), -1.0)
+    logits[torch.arange(3), torch.tensor([5, 6, 7])] = 3.0  # unbiased argmax: 5 6 7
+    only_2_or_4 = SamplingParams(temperature=0, allowed_token_ids=[2, 4], logit_bias={4: 1.0})
+    assert RejectionSampler()(logits, [4, 4], only_2_or_4, None) == [4, 4, 4]
+    assert RejectionSampler()(logits, [5, 6], only_2_or_4, None) == [4]
+    toward_9 = SamplingParams(temperature=0, logit_bias={9: 10.0})
+    assert RejectionSampler()(logits, [9, 6], toward_9, None) == [9, 9]
+
+
 def test_a_seeded_verification_is_reproducible():
     """Every random choice (accepting a draft, the recovered and the bonus token) comes from
     the request's own generator."""

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm import LLM, RequestOutputKind, SamplingParams
+from minivllm.detokenizer import Detokenizer
 from minivllm.output_processor import OutputProcessor
 from minivllm.sampler import Sampler
 from minivllm.sequence import FinishReason, Sequence
@@ -194,6 +195,77 @@ def _split_into_bytes(token_id: int) -> list[int]:
     tokenizer = byte_level_tokenizer()
     piece = tokenizer.convert_ids_to_tokens(token_id)
     return tokenizer.convert_tokens_to_ids(list(piece))
+
+
+class PythonOnlyTokenizer:
+    """A tokenizer with no Rust core for the detokenizer to call directly (a "slow" one):
+    it only decodes, through the wrapped tokenizer's Python `decode`."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, token_ids, skip_special_tokens=False):
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def detokenize(tokenizer, token_ids, params):
+    """Each step's (stop string, text so far) through a `Detokenizer`, then its finish."""
+    detokenizer = Detokenizer(tokenizer, params)
+    steps = [(detokenizer.update(t, stopped_by_token=False), detokenizer.output_text)
+             for t in token_ids]  # fmt: skip
+    return steps, detokenizer.finish(), detokenizer.output_text
+
+
+@given(outputs_and_stops(), st.booleans(), st.lists(st.integers(0, 24), max_size=3))
+def test_a_tokenizer_without_a_rust_core_gives_the_same_text(case, include_stop, eos_at):
+    """The detokenizer calls a fast tokenizer's Rust decoder directly, and a tokenizer
+    without one through its `decode`: the same text and stops, step by step, special
+    tokens (EOS here, not a stop token) left out of both."""
+    token_ids, stops = case
+    for position in eos_at:
+        token_ids.insert(min(position, len(token_ids)), byte_level_tokenizer().eos_token_id)
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include_stop)
+    fast = detokenize(byte_level_tokenizer(), token_ids, params)
+    assert detokenize(PythonOnlyTokenizer(byte_level_tokenizer()), token_ids, params) == fast
+    if stops == ["x"]:  # never in the text: all of it, as a plain decode gives it
+        assert fast[-1] == decode(token_ids)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_is_decoded_with_its_clean_up():
+    """transformers' `decode` removes the space before punctuation when the tokenizer
+    asks for it (`clean_up_tokenization_spaces`, a WordPiece tokenizer's setting); its
+    Rust decoder alone does not. The detokenizer then goes through `decode`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "hello", "world", ",", ".", "ok", "##s"]
+    core = Tokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    core.decoder = decoders.WordPiece(cleanup=False)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="[UNK]", clean_up_tokenization_spaces=True
+    )
+    token_ids = tokenizer("hello, world. oks", add_special_tokens=False).input_ids
+    assert core.decode(token_ids) == "hello , world . oks"  # what the Rust core gives
+    _, stop, text = detokenize(tokenizer, token_ids, SamplingParams())
+    assert (stop, text) == (None, "hello, world. oks")
+
+
+@pytest.mark.parametrize(
+    "stops, stop, text",
+    [
+        (["t"], "t", ""),
+        (["h", "a stop longer than the text so far"], "h", "t"),
+        (["e", "th"], "th", ""),  # the earliest match wins, not the first listed
+    ],
+)
+def test_a_stop_string_in_the_first_token_is_found(stops, stop, text):
+    """The output's first token, "the", already holds the stop string: it fires there,
+    from its first character on, whether or not a longer stop string could end so early."""
+    token_ids = byte_level_tokenizer()("the quick brown fox").input_ids
+    assert decode(token_ids[:1]) == "the"
+    steps, _, _ = detokenize(byte_level_tokenizer(), token_ids[:1], SamplingParams(stop=stops))
+    assert steps == [(stop, text)]
 
 
 def test_stop_token_text_is_left_out_unless_asked_for():
