@@ -93,6 +93,10 @@ EQUIVALENT: dict[str, str] = {
         "_prefix_offset starts at None: token_ids[None:...] slices from 0, like 0, until the "
         "first decoded text sets it"
     ),
+    "minivllm.detokenizer.x\u01c1Detokenizer\u01c1__init____mutmut_48": (
+        "getattr's default None for False, for a tokenizer without clean_up_tokenization_spaces: "
+        "both are false, so the Rust core is used either way"
+    ),
     "minivllm.detokenizer.x\u01c1Detokenizer\u01c1finish__mutmut_10": (
         "the offsets set to None in finish(): it is the request's last call (the output "
         "processor stops the request right after), so they are never read again"

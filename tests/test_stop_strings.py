@@ -231,6 +231,24 @@ def test_a_tokenizer_without_a_rust_core_gives_the_same_text(case, include_stop,
         assert fast[-1] == decode(token_ids)
 
 
+class RustCoreOnly:
+    """A fast tokenizer whose Python `decode` must not be called: the detokenizer decodes
+    twice per output token, and transformers' wrapper costs three times the Rust decode
+    it wraps. (No ``clean_up_tokenization_spaces`` either: absent means off.)"""
+
+    def __init__(self, tokenizer) -> None:
+        self.backend_tokenizer = tokenizer.backend_tokenizer
+
+    def decode(self, token_ids, skip_special_tokens=False):
+        raise AssertionError("the Python wrapper was called")
+
+
+def test_a_fast_tokenizer_is_decoded_by_its_rust_core_alone():
+    token_ids = byte_level_tokenizer()("hello world, 你好世界! 😀").input_ids
+    _, _, text = detokenize(RustCoreOnly(byte_level_tokenizer()), token_ids, SamplingParams())
+    assert text == "hello world, 你好世界! 😀"
+
+
 def test_a_tokenizer_that_cleans_up_spaces_is_decoded_with_its_clean_up():
     """transformers' `decode` removes the space before punctuation when the tokenizer
     asks for it (`clean_up_tokenization_spaces`, a WordPiece tokenizer's setting); its
