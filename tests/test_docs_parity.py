@@ -419,3 +419,109 @@ def test_the_results_key_numbers_come_from_its_tables(page):
     first = boxes[0]
     assert QUOTED.search(first), f"{rel(page)}: the first box quotes no measured number"
     assert unsupported(first, RESULTS_TABLES) == []
+
+
+# --- the numbers card: every number from the run it names ---------------------------------
+
+CARD = SNIPPETS / "numbers-card.md"
+RESULTS = DOCS / "assets" / "results"
+NOTEBOOKS = DOCS / "notebooks"
+
+
+def plain(text: str) -> str:
+    """Thousands separators dropped (1,347.5 is 1347.5)."""
+    return re.sub(r"(?<=\d),(?=\d{3})", "", text)
+
+
+def derived(values: list[float]) -> set[str]:
+    """How a page may quote a value: as it is, rounded to 0-2 decimals."""
+    out = set()
+    for v in values:
+        out |= {f"{v:.0f}", f"{v:.1f}", f"{v:.2f}", plain(str(v))}
+    return out
+
+
+def json_numbers(path: Path) -> set[str]:
+    """A committed run's numbers: every value, seconds also in milliseconds; a decode-step
+    run also per generated token (ms / rows) and against one row (×)."""
+    import json
+
+    data = json.loads(path.read_text())
+    values: list[float] = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+        elif isinstance(node, (int, float)) and not isinstance(node, bool):
+            values.extend([node, node * 1000])
+
+    walk(data)
+    rows = [r for r in data.get("results", []) if isinstance(r, dict) and "rows" in r]
+    if rows and "best_s" in rows[0]:
+        one = next(r["best_s"] for r in rows if r["rows"] == 1)
+        values += [r["best_s"] * 1000 / r["rows"] for r in rows]
+        values += [r["best_s"] / one for r in rows]
+    return derived(values)
+
+
+def table_numbers(path: Path) -> set[str]:
+    """A results table's numbers, each ratio as a change in per cent (0.72× is −28 %), and
+    the ratio of any two numbers of one row (96.4 against 29.2 is 3.30×)."""
+    numbers: set[str] = set()
+    for row in table_rows(plain(path.read_text())):
+        found = [float(n) for n in NUMBER.findall(row)]
+        numbers |= set(NUMBER.findall(row))
+        numbers |= {str(round(abs(1 - float(r)) * 100)) for r in re.findall(r"(\d+\.\d+)[×x]", row)}
+        numbers |= derived([a / b for a in found for b in found if b])
+    return numbers
+
+
+def notebook_numbers(path: Path) -> set[str]:
+    import nbformat
+
+    notebook = nbformat.read(path, as_version=4)
+    text = ""
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            text += str(output.get("text", "")) + str(output.get("data", {}).get("text/plain", ""))
+    return set(NUMBER.findall(plain(text)))
+
+
+def source_numbers(name: str) -> set[str]:
+    if name.endswith(".json"):
+        return json_numbers(RESULTS / name)
+    if name.endswith(".ipynb"):
+        return notebook_numbers(NOTEBOOKS / name)
+    return table_numbers(SNIPPETS / name)
+
+
+def card_rows() -> list[tuple[str, str, list[str]]]:
+    rows = []
+    for row in table_rows(CARD.read_text())[2:]:
+        what, number, _, source = (cell.strip() for cell in row.strip().strip("|").split("|"))
+        rows.append((what, number, re.findall(r"`([^`]+)`", source)))
+    return rows
+
+
+def test_the_numbers_card_is_read():
+    rows = card_rows()
+    assert len(rows) >= 8
+    assert all(sources for _, _, sources in rows)
+    assert "2.39" in table_numbers(SNIPPETS / "results-same-kv-memory.md")
+    assert "58" in table_numbers(SNIPPETS / "results-same-kv-memory.md")  # 0.42×: −58 %
+    decode = json_numbers(RESULTS / "decode-step-time-2026-12-03.json")
+    assert {"26", "449", "4.1", "7.0", "1.6"} <= decode
+    assert "4.2" not in decode  # 66.35 ms / 16 rows is 4.15 ms: 4.1, never 4.2
+
+
+@pytest.mark.parametrize("row", card_rows(), ids=lambda r: r[0])
+def test_every_number_on_the_card_comes_from_the_run_it_names(row):
+    what, number, sources = row
+    known = set().union(*(source_numbers(name) for name in sources))
+    # Sizes of the runs (rows, requests) are given beside their numbers: also from the source.
+    missing = [n for n in NUMBER.findall(plain(number)) if n not in known]
+    assert not missing, f"{what}: {missing} are not in {sources}"
