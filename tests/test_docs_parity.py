@@ -743,3 +743,37 @@ def test_every_link_to_a_section_finds_it(page):
         if not resolved.is_file():
             continue  # test_images_exist and mkdocs --strict see missing pages
         assert anchor in anchors(resolved), f"{rel(page)}: no #{anchor} in {path}"
+
+
+# --- Chinese prose reads as Chinese ---------------------------------------------------------
+
+# The zh chapters put the conclusion first, in short paragraphs and lists (a paragraph here
+# is a block of prose or one list item; CJK characters counted). The index's one-paragraph
+# abstract is one paragraph on purpose.
+LONGEST_PARAGRAPH = 260
+
+
+def zh_paragraphs(text: str) -> list[str]:
+    paragraphs, after_abstract = [], False
+    for block in re.split(r"\n\s*\n", without_code(text)):
+        if not (after_abstract or re.match(r"\s*(\||<|!|--8<|#|\?\?\?)", block)):
+            paragraphs += re.split(r"\n(?=\s*(?:[-*]|\d+\.) )", block)
+        after_abstract = block.lstrip().startswith(("??? abstract", "!!! abstract"))
+    return paragraphs
+
+
+@pytest.mark.parametrize("page", params("paragraphs", ZH_PAGES))
+def test_chinese_paragraphs_stay_short(page):
+    lengths = [len(re.findall(f"[{CJK}]", p)) for p in zh_paragraphs(page.read_text())]
+    assert max(lengths, default=0) <= LONGEST_PARAGRAPH, f"{rel(page)}: {max(lengths)} characters"
+
+
+@pytest.mark.parametrize("page", params("quotes", ZH_PAGES + ZH_SNIPPETS))
+def test_chinese_pages_quote_with_chinese_quotation_marks(page):
+    lines = [
+        line
+        for line in prose(page.read_text()).splitlines()
+        if not re.match(r"\s*[!?]{3}", line)  # an admonition's title is Markdown syntax
+    ]
+    found = re.findall(rf'"[^"\n]*[{CJK}][^"\n]*"', "\n".join(lines))
+    assert not found, f"{rel(page)}: ASCII quotes around Chinese: {found}"
