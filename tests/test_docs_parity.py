@@ -717,11 +717,12 @@ def test_chapter_2_shows_the_step_functions_the_engine_has(page):
 # --- links to a section land on it ---------------------------------------------------------
 
 
-def anchors(page: Path) -> set[str]:
-    """The ids of a page's headings: {#explicit}, else the toc extension's slug."""
+def anchors(page: Path, top: int = 1) -> set[str]:
+    """The ids of a page's headings (of level ``top`` and below): {#explicit}, else the
+    toc extension's slug."""
     ids = set()
     for line in without_code(page.read_text()).splitlines():
-        heading = re.match(r"#{1,6} (.*)", line)
+        heading = re.match(rf"#{{{top},6}} (.*)", line)
         if not heading:
             continue
         explicit = re.search(r"\{#([^}]+)\}", heading.group(1))
@@ -777,3 +778,30 @@ def test_chinese_pages_quote_with_chinese_quotation_marks(page):
     ]
     found = re.findall(rf'"[^"\n]*[{CJK}][^"\n]*"', "\n".join(lines))
     assert not found, f"{rel(page)}: ASCII quotes around Chinese: {found}"
+
+
+# --- the same sections, reached by the same links ------------------------------------------
+
+
+@pytest.mark.parametrize("page", params("anchors", ZH_PAGES))
+def test_a_chinese_page_has_the_section_anchors_of_its_english_page(page):
+    """A link to a section (#id) and the language switcher land on the same section in
+    both languages: each Chinese heading carries its English twin's id ({#id})."""
+    english, chinese = anchors(english_of(page), top=2), anchors(page, top=2)
+    assert english <= chinese, f"{rel(page)} lacks {sorted(english - chinese)}"
+
+
+@pytest.mark.parametrize("page", params("figures in Chinese", ZH_PAGES))
+def test_a_chinese_page_shows_the_chinese_drawing_where_there_is_one(page):
+    for src in IMAGE.findall(without_code(page.read_text())):
+        src = next(s for s in src if s)
+        if src.endswith(".svg") and ".zh." not in src:
+            twin = (page.parent / src.replace(".svg", ".zh.svg")).resolve()
+            assert not twin.is_file(), f"{rel(page)} shows {src}, not its Chinese twin"
+
+
+def test_every_drawn_diagram_has_a_chinese_twin():
+    diagrams = DOCS / "assets" / "diagrams"
+    for svg in diagrams.glob("*.svg"):
+        if ".zh." not in svg.name:
+            assert svg.with_name(svg.stem + ".zh.svg").is_file(), f"{svg.name} has no .zh.svg"
