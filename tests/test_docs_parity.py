@@ -805,3 +805,43 @@ def test_every_drawn_diagram_has_a_chinese_twin():
     for svg in diagrams.glob("*.svg"):
         if ".zh." not in svg.name:
             assert svg.with_name(svg.stem + ".zh.svg").is_file(), f"{svg.name} has no .zh.svg"
+
+
+# --- one explanation of the CPU regime, one card of numbers -----------------------------------
+
+CPU_REGIME = "static-batching.md#cpu-regime"
+HEADLINE = re.compile(r"\b(1\.38|2\.39)\s*(×|倍)")
+
+
+def test_chapter_1_teaches_the_cpu_regime():
+    for page in (DOCS / "tutorial/static-batching.md", DOCS / "tutorial/static-batching.zh.md"):
+        assert "cpu-regime" in anchors(page)
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        DOCS / f"{name}{lang}.md"
+        for name in (
+            "index",
+            "tutorial/paged-attention",
+            "tutorial/results",
+            "tutorial/what-a-gpu-would-do",
+            "tutorial/speculative-decoding",
+        )
+        for lang in ("", ".zh")
+    ],
+    ids=rel,
+)
+def test_the_chapters_that_need_the_cpu_regime_link_to_it(page):
+    assert CPU_REGIME in page.read_text(), f"{rel(page)} does not link to chapter 1's CPU regime"
+
+
+@pytest.mark.parametrize("page", ALL_PAGES, ids=rel)
+def test_a_page_that_quotes_the_headline_ratios_points_at_the_card(page):
+    text = page.read_text()
+    if not HEADLINE.search(prose(text)) or page.stem.startswith("results"):
+        return  # chapter 5 holds the tables the card quotes
+    assert "numbers-to-quote" in text or '"numbers-card' in text, (
+        f"{rel(page)} quotes 1.38× / 2.39× without the numbers card"
+    )
