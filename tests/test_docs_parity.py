@@ -849,3 +849,11 @@ def test_a_page_that_quotes_the_headline_ratios_points_at_the_card(page):
     assert "numbers-to-quote" in text or '"numbers-card' in text, (
         f"{rel(page)} quotes 1.38× / 2.39× without the numbers card"
     )
+
+
+@pytest.mark.parametrize("page", ALL_PAGES, ids=rel)
+def test_every_included_table_exists(page):
+    """A snippet line names a file of docs/snippets/ by its bare name (the include's base
+    path): a path or a missing file breaks the build."""
+    for name in SNIPPET.findall(page.read_text()):
+        assert (SNIPPETS / name).is_file(), f"{rel(page)} includes {name}: no docs/snippets/{name}"
