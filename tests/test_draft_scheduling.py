@@ -29,6 +29,7 @@ from minivllm.scheduler import Scheduler
 from minivllm.scheduler_output import SchedulerOutput
 from minivllm.sequence import Sequence
 from minivllm.spec_decode import NgramProposer
+from minivllm.spec_decode.scheduler import SpecDecodeScheduler
 
 CYCLE = [1, 2, 3, 4]
 CORRECTION = 9  # what the pretend model samples where it rejects a draft
@@ -40,7 +41,7 @@ def cyclic(num_tokens: int) -> list[int]:
 
 def make_scheduler(num_blocks=32, k=3, budget=64, max_model_len=1000, prefix_caching=False):
     manager = KVCacheManager(num_blocks, block_size=4, enable_prefix_caching=prefix_caching)
-    return Scheduler(
+    return SpecDecodeScheduler(
         manager,
         max_num_seqs=8,
         max_num_batched_tokens=budget,
@@ -191,11 +192,10 @@ def test_only_a_decode_can_carry_drafts():
     assert out.num_scheduled_tokens == {"p": 8, "d": 3}
 
 
-def test_without_a_proposer_the_scheduler_counts_no_draft_positions():
+def test_the_plain_scheduler_keeps_no_draft_counters_and_the_spec_one_one_per_position():
     manager = KVCacheManager(8, block_size=4)
     plain = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)
-    assert plain.spec_decoding_stats.num_spec_tokens == 0
-    assert plain.spec_decoding_stats.num_accepted_tokens_per_pos == []
+    assert not hasattr(plain, "spec_decoding_stats")  # drafts live in spec_decode/ alone
     assert make_scheduler(k=3).spec_decoding_stats.num_accepted_tokens_per_pos == [0, 0, 0]
 
 

@@ -42,10 +42,17 @@ def test_a_placeholder_input_is_the_last_steps_sample():
         seq.num_output_placeholders = 1
         second.add(seq, 1)
     assert [c.token_ids for c in second.chunks] == [[PLACEHOLDER_TOKEN_ID]] * 2
+    penalized = []
+    sampler = runner.sampler
+    runner.sampler = lambda logits, chunks: penalized.extend(chunks) or sampler(logits, chunks)
     assert runner.execute_model(second).sampled_token_ids == {"d": [34], "p": [44]}
-    assert [c.token_ids for c in second.chunks] == [[33], [43]]
-    assert second.chunks[0].output_token_ids == []  # no penalties: the sampler counts nothing
-    assert second.chunks[1].output_token_ids == [42, 43]
+    # The runner filled the inputs in its own copies: the step record is the scheduler's.
+    assert [c.token_ids for c in second.chunks] == [[PLACEHOLDER_TOKEN_ID]] * 2
+    assert [c.output_token_ids for c in second.chunks] == [[], [42]]
+    # The sampler saw the filled tokens: for penalties, the outputs so far with 43.
+    assert [c.token_ids for c in penalized] == [[33], [43]]
+    assert penalized[0].output_token_ids == []  # no penalties: the sampler counts nothing
+    assert penalized[1].output_token_ids == [42, 43]
     assert runner.prev_sampled_token_ids == {"d": 34, "p": 44}
 
 

@@ -85,7 +85,7 @@ def measure_this_cpu(
     gloo all-reduce among that many processes here, fitted to a latency per hop and a
     bandwidth. `calibrate.py` fits the per-step overhead and the efficiency of the
     model's own steps from a real run."""
-    from minivllm.simulator.hardware_probe import (
+    from minivllm.bench.hardware_probe import (
         measure_allreduce_link,
         measure_matmul_peak,
         measure_read_bandwidth,
