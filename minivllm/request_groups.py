@@ -63,6 +63,8 @@ class RequestGroupSet:
         return any(request_id in groups for groups in self.kinds.values())
 
     def consume(self, seq: Sequence, runner_output: ModelRunnerOutput, counts: TokenCounts) -> bool:
+        if not self.kinds:  # no group was ever asked for: every row is a plain request's
+            return False
         return any(g.consume(seq, runner_output, counts) for g in self.kinds.values())
 
     def after_step(self, outputs: list[RequestOutput], now: float) -> list[RequestOutput]:

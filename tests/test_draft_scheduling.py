@@ -412,3 +412,32 @@ def test_a_rejected_draft_never_enters_the_prefix_cache():
     step(scheduler)  # computes position 7: the block is full of verified tokens now
     assert cache_hit(scheduler, cyclic(9)) == 4
     assert cache_hit(scheduler, cyclic(7) + [CORRECTION, 1]) == 8
+
+
+def test_every_policy_builds_itself_from_the_settings():
+    """The engine's one way in (`EngineConfig.scheduler_cls`, then ``from_config``)."""
+    from minivllm.config import EngineConfig
+    from minivllm.static_scheduler import StaticBatchScheduler
+    from minivllm.utils import resolve_obj_by_qualname
+
+    manager, clock = KVCacheManager(64, block_size=4), lambda: 7.0
+    spec = {"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    config = EngineConfig(max_num_seqs=5, max_num_batched_tokens=40, speculative_config=spec)
+    scheduler = resolve_obj_by_qualname(config.scheduler_cls).from_config(
+        config, manager, 99, clock
+    )
+    assert type(scheduler) is SpecDecodeScheduler
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (5, 40)
+    assert (scheduler.max_model_len, scheduler.clock, scheduler.kv_cache_manager) == (
+        99, clock, manager,
+    )  # fmt: skip
+    proposer = scheduler.proposer
+    assert (proposer.k, proposer.min_n, proposer.max_n) == (3, 2, 4)
+    assert scheduler.spec_decoding_stats.num_accepted_tokens_per_pos == [0, 0, 0]
+    plain = Scheduler.from_config(EngineConfig(max_num_seqs=6), manager, 99, clock)
+    assert (type(plain), plain.max_num_seqs, plain.clock) == (Scheduler, 6, clock)
+    assert plain.max_num_batched_tokens == EngineConfig().max_num_batched_tokens
+    static = StaticBatchScheduler.from_config(
+        EngineConfig(max_num_seqs=2, scheduling_policy="static"), manager, 32, clock
+    )
+    assert (static.max_num_seqs, static.max_model_len, static.clock) == (2, 32, clock)
