@@ -75,7 +75,7 @@ class ModelRunner:
         with draft tokens, the accepted drafts and one more; and the logprobs of requests
         that asked."""
         self.copy_blocks(scheduler_output.blocks_to_copy)
-        output = self._execute_model(self._fill_placeholders(scheduler_output))
+        output = self._execute_model(scheduler_output)
         self.prev_sampled_token_ids = {r: t[-1] for r, t in output.sampled_token_ids.items()}
         return output
 
@@ -88,38 +88,37 @@ class ModelRunner:
         src, dst = zip(*blocks_to_copy)
         self.kv_caches[:, :, list(dst)] = self.kv_caches[:, :, list(src)]
 
-    def _fill_placeholders(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
-        """Async scheduling: a decode scheduled while the step before was running has that
-        step's sample as its input, which the runner kept (on a GPU it would stay on the
-        device). The step record stays as the scheduler wrote it: the runner computes
-        copies of those chunks, with the token filled in."""
-        chunks = scheduler_output.chunks
-        filled = [i for i, c in enumerate(chunks) if c.token_ids[-1] == PLACEHOLDER_TOKEN_ID]
+    def _fill_placeholders(
+        self, chunks: list[ScheduledChunk], input_ids: torch.Tensor
+    ) -> list[ScheduledChunk]:
+        """Async scheduling: a decode scheduled while the step before ran has that step's
+        sample as its one input; the runner kept it and writes it into the input ids. The
+        record stays the scheduler's: for penalties the sampler gets a copy of the chunk."""
+        filled = [c.request_id for c in chunks if c.token_ids[-1] == PLACEHOLDER_TOKEN_ID]
         if not filled:
-            return scheduler_output
-        chunks = list(chunks)
-        for i in filled:
-            chunk = chunks[i]
-            assert len(chunk.token_ids) == 1, "only a decode's one input can be a placeholder"
-            token_id = self.prev_sampled_token_ids[chunk.request_id]
-            outputs = chunk.output_token_ids  # the sampler counts them for penalties
-            outputs = outputs + [token_id] if chunk.sampling_params.has_penalties else outputs
-            chunks[i] = replace(chunk, token_ids=[token_id], output_token_ids=outputs)
-        return replace(scheduler_output, chunks=chunks)
+            return chunks
+        token_of = {r: self.prev_sampled_token_ids[r] for r in filled}  # in the rows' order
+        input_ids[input_ids == PLACEHOLDER_TOKEN_ID] = input_ids.new_tensor(list(token_of.values()))
+        return [  # penalties count the outputs so far, the filled token included
+            replace(c, output_token_ids=c.output_token_ids + [token_of[c.request_id]])
+            if c.request_id in token_of and c.sampling_params.has_penalties
+            else c
+            for c in chunks
+        ]
 
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, positions, metadata = self.prepare_inputs(scheduler_output)
+        chunks = self._fill_placeholders(scheduler_output.chunks, input_ids)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
 
         # A chunk that samples needs logits at its last row, and with d drafts at its last
         # 1 + d rows (row j verifies draft j; the last row gives the bonus token).
         ends = metadata.cu_seqlens_q[1:].tolist()
-        sampling = [(c, end) for c, end in zip(scheduler_output.chunks, ends) if c.sample]
-        # A request asking for prompt logprobs needs logits at every prompt row too; they
-        # come after the sampled rows.
+        sampling = [(c, end) for c, end in zip(chunks, ends) if c.sample]
+        # A request asking for prompt logprobs needs logits at its prompt rows too (after).
         prompt_chunks = [
             (c, end - len(c.token_ids))
-            for c, end in zip(scheduler_output.chunks, ends)
+            for c, end in zip(chunks, ends)
             if c.prompt_logprob_token_ids
         ]
         if not sampling and not prompt_chunks:

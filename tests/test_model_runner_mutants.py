@@ -49,10 +49,10 @@ def test_a_placeholder_input_is_the_last_steps_sample():
     # The runner filled the inputs in its own copies: the step record is the scheduler's.
     assert [c.token_ids for c in second.chunks] == [[PLACEHOLDER_TOKEN_ID]] * 2
     assert [c.output_token_ids for c in second.chunks] == [[], [42]]
-    # The sampler saw the filled tokens: for penalties, the outputs so far with 43.
-    assert [c.token_ids for c in penalized] == [[33], [43]]
-    assert penalized[0].output_token_ids == []  # no penalties: the sampler counts nothing
-    assert penalized[1].output_token_ids == [42, 43]
+    # For penalties the sampler counts the outputs so far, 43 included: it gets a copy of
+    # that chunk; without penalties it gets the record's own chunk.
+    assert penalized[0] is second.chunks[0] and penalized[0].output_token_ids == []
+    assert penalized[1] is not second.chunks[1] and penalized[1].output_token_ids == [42, 43]
     assert runner.prev_sampled_token_ids == {"d": 34, "p": 44}
 
 
