@@ -177,6 +177,29 @@ def test_a_request_without_drafts_does_not_stop_the_ones_after_it():
     assert drafts_of(out) == {"c": [2, 3, 4]}
 
 
+def test_a_decode_without_drafts_first_does_not_stop_the_roll_back_of_the_ones_after_it():
+    """a decodes one token (min_p: no drafts), then c's 3 drafts are all rejected: c
+    computed its real token only, and a its one."""
+    scheduler = make_scheduler(k=3)
+    a, c = make_seq("a", 8, min_p=0.1), make_seq("c", 8)
+    add(scheduler, a, c)
+    step(scheduler)
+    out = scheduler.schedule()
+    assert [s.request_id for s in out.scheduled_seqs] == ["a", "c"]
+    assert drafts_of(out) == {"c": [2, 3, 4]}
+    run(scheduler, out, {"c": 0})
+    assert (a.num_computed_tokens, c.num_computed_tokens) == (9, 9)
+    assert scheduler.spec_decoding_stats.num_draft_tokens == 3
+
+
+def test_the_spec_scheduler_needs_a_proposer_and_a_length_cap():
+    manager = KVCacheManager(8, block_size=4)
+    proposer = NgramProposer(2, prompt_lookup_min=1, prompt_lookup_max=2)
+    for kwargs in (dict(proposer=proposer), dict(max_model_len=64)):
+        with pytest.raises(AssertionError):
+            SpecDecodeScheduler(manager, max_num_seqs=2, max_num_batched_tokens=8, **kwargs)
+
+
 def test_only_a_decode_can_carry_drafts():
     prefill, decode = make_seq("p", 8), make_seq("d", 8)
     decode.append_token(1, now=0.0)

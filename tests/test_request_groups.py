@@ -27,7 +27,7 @@ class Kind:
         return request_id in self.ids
 
     def consume(self, seq, runner_output, counts) -> bool:
-        self.calls.append(("consume", seq.request_id))
+        self.calls.append(("consume", seq.request_id, runner_output))
         counts.num_generation_tokens += 1
         return seq.request_id.startswith(self.prefix)
 
@@ -72,11 +72,17 @@ def test_a_kind_is_made_once_on_first_use_with_the_engine(groups):
 def test_every_kind_is_asked_in_the_order_they_were_made(groups):
     samples, beams = groups["samples"], groups["beams"]
     samples.ids.add("s1")
-    counts = TokenCounts()
-    assert groups.consume(SimpleNamespace(request_id="b0"), ModelRunnerOutput(), counts)
-    assert not groups.consume(SimpleNamespace(request_id="x"), ModelRunnerOutput(), counts)
-    assert counts.num_generation_tokens == 4  # samples, beams; then samples, beams again
+    counts, output = TokenCounts(), ModelRunnerOutput()
+    assert groups.consume(SimpleNamespace(request_id="b0"), output, counts)
+    assert not groups.consume(SimpleNamespace(request_id="x"), output, counts)
+    assert groups.consume(SimpleNamespace(request_id="s2"), output, counts)  # beams not asked
+    assert counts.num_generation_tokens == 5  # samples, beams; samples, beams; samples
     assert groups.after_step(["o"], 2.0) == ["o", "s", "b"]
+    assert samples.calls == [
+        ("consume", "b0", output), ("consume", "x", output), ("consume", "s2", output),
+        ("after_step", 2.0),
+    ]  # fmt: skip
+    assert beams.calls == [("consume", "b0", output), ("consume", "x", output), ("after_step", 2.0)]
     assert "s1" in groups and "b1" not in groups
     assert (groups.abort("s1"), groups.abort("b7"), groups.abort("x")) == (True, False, None)
     assert not groups.in_lockstep
