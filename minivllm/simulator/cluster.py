@@ -60,10 +60,6 @@ class Deployment:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
 
     @property
-    def num_devices(self) -> int:
-        return self.num_replicas * self.tensor_parallel_size
-
-    @property
     def model_name(self) -> str:
         return preset_name(self.model)
 
