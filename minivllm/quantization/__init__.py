@@ -1,0 +1,140 @@
+"""Quantized weights behind the `Linear` seam (vLLM's ``QuantizationConfig`` and
+``LinearMethodBase``, docs/tutorial/quantization.md).
+
+At one sequence a decode step reads every weight once, so tokens/s is about memory
+bandwidth divided by the bytes of weights: fewer bytes per weight, more tokens. A
+quantization method is chosen at load (``LLM(quantization="int8")``, ``--quantization``);
+every `Linear` of the model then gets the method's `LinearMethod`, which owns that layer's
+weights (what is stored, in which layout) and its matmul. ``None``, the default, is the
+plain fp32 model, unchanged.
+
+- ``"int8"`` (`minivllm.quantization.int8`): W8A8 dynamic, vLLM's CPU scheme: each weight
+  row (output feature) as int8 with one fp32 scale, the activations quantized per row at
+  run time; products in int8 with int32 sums (FBGEMM, torch's ``_int_mm``).
+- ``"gguf"`` (`minivllm.quantization.gguf`): the bundled GGUF file's own Q4_1 / Q8_0
+  blocks, multiplied by the numba kernel in ``kernels/numba_gguf.py``.
+
+The simulator and the start-up lines take bytes per weight from `bytes_per_weight`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QUANTIZATION_METHODS = ("int8", "gguf")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How many bytes a weight takes, in the layer matrices and in the vocabulary matrix
+    (embedding / LM head); the scales are counted, spread over their block or row."""
+
+    layer_bytes: float
+    vocab_bytes: float
+    description: str
+
+
+def bytes_per_weight(quantization: str | None, dtype_bytes: int = 4) -> WeightFormat:
+    """Bytes per weight of a format, as this implementation stores it."""
+    if quantization is None:
+        return WeightFormat(dtype_bytes, dtype_bytes, f"{8 * dtype_bytes}-bit floats")
+    if quantization == "int8":
+        # One int8 per weight; the fp32 scale per row of 576+ weights is < 1 %.
+        return WeightFormat(1.0, 1.0, "int8 per-channel weights, int8 per-row activations")
+    if quantization == "gguf":
+        # Q4_1: 16 bytes of nibbles + fp32 scale and minimum per 32 weights (24 / 32);
+        # Q8_0: 32 bytes + an fp32 scale per 32 (36 / 32). The file holds the scales as
+        # fp16 (20 / 32 and 34 / 32); minivllm widens them for numba (kernels/numba_gguf.py).
+        return WeightFormat(24 / 32, 36 / 32, "GGUF Q4_1 layers, Q8_0 embedding / LM head")
+    raise ValueError(_unknown(quantization))
+
+
+def _unknown(name) -> str:
+    return f"unknown quantization {name!r}; choose {', '.join(QUANTIZATION_METHODS)} or None"
+
+
+def check_quantization(
+    quantization: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    tensor_parallel_size: int,
+) -> None:
+    """Refuse, before any work, a format this device, dtype or split cannot run."""
+    if quantization is None:
+        return
+    if not isinstance(quantization, str) or quantization not in QUANTIZATION_METHODS:
+        raise ValueError(_unknown(quantization))
+    if device.type != "cpu":
+        raise ValueError(
+            f"quantization={quantization!r} runs on the CPU only (its kernels are CPU "
+            f"kernels), got device {str(device)!r}"
+        )
+    if dtype != torch.float32:
+        raise ValueError(
+            f"quantization={quantization!r} computes its activations in float32; "
+            f"got dtype {str(dtype).removeprefix('torch.')}"
+        )
+    if quantization == "int8":
+        engines = torch.backends.quantized.supported_engines
+        if "fbgemm" not in engines and "x86" not in engines:
+            raise ValueError(
+                "quantization='int8' needs torch's FBGEMM int8 kernels (an x86 CPU build); "
+                f"this torch has {engines}"
+            )
+    if quantization == "gguf":
+        import importlib.util
+
+        if importlib.util.find_spec("numba") is None:
+            raise ValueError("quantization='gguf' needs numba: pip install minivllm[kernels]")
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                "quantization='gguf' does not split its blocks across ranks; it needs "
+                f"tensor_parallel_size=1, got {tensor_parallel_size}"
+            )
+
+
+def get_quantization_config(quantization: str | None):
+    """The method object for a format name (None: no quantization)."""
+    if quantization is None:
+        return None
+    if quantization == "int8":
+        from minivllm.quantization.int8 import Int8Config
+
+        return Int8Config()
+    if quantization == "gguf":
+        from minivllm.quantization.gguf import GGUFConfig
+
+        return GGUFConfig()
+    raise ValueError(_unknown(quantization))
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's weights take as loaded: parameters and buffers the quantized
+    layers hold (fbgemm's packed copy of an int8 weight counted as well), not the
+    computed rotary tables."""
+    total = 0
+    seen: set[int] = set()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name.startswith("rotary.") or id(tensor) in seen or tensor.is_mkldnn:
+            continue
+        seen.add(id(tensor))
+        total += tensor.numel() * tensor.element_size()
+    for module in model.modules():
+        if getattr(module, "is_prepacked", False):
+            total += module.in_features * module.out_features * 4  # a oneDNN fp32 copy
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            total += method.extra_bytes(module)
+    return total
+
+
+__all__ = [
+    "QUANTIZATION_METHODS",
+    "WeightFormat",
+    "bytes_per_weight",
+    "check_quantization",
+    "get_quantization_config",
+    "model_weight_bytes",
+]
