@@ -60,6 +60,7 @@ demo: $(MODEL_STAMP)
 	@echo "== Two questions, answered with the model's chat template (one batch: each answer"
 	@echo "   prints when it finishes, so the shorter one may come first)"
 	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/minivllm generate --max-tokens 48 \
+		$(if $(QUANTIZATION),--quantization $(QUANTIZATION)) \
 		"What is continuous batching?" "Write a haiku about the sea."
 	@echo "== (1) Same batch cap (4 requests), plenty of KV memory: padding and waiting"
 	$(VENV)/bin/minivllm bench $(DEMO_WORKLOAD) --max-num-seqs 4 --kv-cache-memory 1GiB \

@@ -14,41 +14,15 @@ plain fp32 model, unchanged.
 - ``"gguf"`` (`minivllm.quantization.gguf`): the bundled GGUF file's own Q4_1 / Q8_0
   blocks, multiplied by the numba kernel in ``kernels/numba_gguf.py``.
 
-The simulator and the start-up lines take bytes per weight from `bytes_per_weight`.
+The simulator and the start-up lines take bytes per weight from
+`minivllm.models.arithmetic.bytes_per_weight`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-QUANTIZATION_METHODS = ("int8", "gguf")
-
-
-@dataclass(frozen=True)
-class WeightFormat:
-    """How many bytes a weight takes, in the layer matrices and in the vocabulary matrix
-    (embedding / LM head); the scales are counted, spread over their block or row."""
-
-    layer_bytes: float
-    vocab_bytes: float
-    description: str
-
-
-def bytes_per_weight(quantization: str | None, dtype_bytes: int = 4) -> WeightFormat:
-    """Bytes per weight of a format, as this implementation stores it."""
-    if quantization is None:
-        return WeightFormat(dtype_bytes, dtype_bytes, f"{8 * dtype_bytes}-bit floats")
-    if quantization == "int8":
-        # One int8 per weight; the fp32 scale per row of 576+ weights is < 1 %.
-        return WeightFormat(1.0, 1.0, "int8 per-channel weights, int8 per-row activations")
-    if quantization == "gguf":
-        # Q4_1: 16 bytes of nibbles + fp32 scale and minimum per 32 weights (24 / 32);
-        # Q8_0: 32 bytes + an fp32 scale per 32 (36 / 32). The file holds the scales as
-        # fp16 (20 / 32 and 34 / 32); minivllm widens them for numba (kernels/numba_gguf.py).
-        return WeightFormat(24 / 32, 36 / 32, "GGUF Q4_1 layers, Q8_0 embedding / LM head")
-    raise ValueError(_unknown(quantization))
+from minivllm.models.arithmetic import QUANTIZATION_METHODS, WeightFormat, bytes_per_weight
 
 
 def _unknown(name) -> str:
@@ -110,6 +84,21 @@ def get_quantization_config(quantization: str | None):
     raise ValueError(_unknown(quantization))
 
 
+def weights_line(quantization: str | None, model_config, dtype_bytes: int = 4) -> str:
+    """The start-up line ``serve``, ``bench`` and ``generate`` print: the format and the
+    bytes of weights (`minivllm.models.arithmetic.weight_bytes`), held and read per token."""
+    from minivllm.models.arithmetic import weight_bytes
+
+    fmt = bytes_per_weight(quantization, dtype_bytes)
+    held = weight_bytes(model_config, dtype_bytes, quantization=quantization, with_embedding=True)
+    read = weight_bytes(model_config, dtype_bytes, quantization=quantization)
+    name = quantization or f"none (fp{8 * dtype_bytes})"
+    return (
+        f"Weights: quantization {name}: {fmt.description}; {held / 1e6:.1f} MB, "
+        f"{read / 1e6:.1f} MB read per decode step"
+    )
+
+
 def model_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes the model's weights take as loaded: parameters and buffers the quantized
     layers hold (fbgemm's packed copy of an int8 weight counted as well), not the
@@ -137,4 +126,5 @@ __all__ = [
     "check_quantization",
     "get_quantization_config",
     "model_weight_bytes",
+    "weights_line",
 ]
