@@ -16,22 +16,22 @@ has 11 significant bits, ``q`` at most 8), so ``d * q + m`` is exactly the fp32 
 dequantized checkpoint holds, whatever order the hardware rounds in.
 
 The kernel, read top to bottom: for each output feature (a weight row) and each
-activation row, walk the blocks; in a block, multiply the 32 stored integers by the 32
-inputs and sum (``dot``), then scale once: ``d * dot + m * sum(x)``, which is
-``sum((d q + m) x)`` regrouped (llama.cpp's regrouping too). ``sum(x)`` per block is the
-same for every weight row, so it is computed once per call. The weights are exactly the
-dequantized checkpoint's; only the order of the additions differs from an fp32 GEMM, so
-outputs agree to fp32 rounding (tests/test_quantization.py). The point is the bytes: a
-Q4_1 weight is 5/8 of a byte in memory plus its share of the scales, not 4 bytes.
+activation row, one loop over the row's stored values, each multiplied by its input and
+by its block's scale ``d``; for Q4_1 the minimums come last, ``m * sum(x)`` per block,
+which is ``sum((d q + m) x)`` regrouped (llama.cpp regroups the same way). The sums of x
+per block are the same for every weight row, so they are computed once per call, and the
+inputs are reordered once per call to match the nibble order (`split_nibble_inputs`).
+The weights are exactly the dequantized checkpoint's; only the order of the additions
+differs from an fp32 GEMM, so outputs agree to fp32 rounding (tests/test_quantization.py).
 
-How fast it is, measured (docs/tutorial/quantization.md): slower than oneDNN's fp32 GEMV
-on the development machine, because numba/LLVM turns the byte -> float conversion into
-scalar instructions (``cvtsi2ss``, no ``vcvtdq2ps`` in ``inspect_asm``): the loop is
-bound by instructions, not by the bytes it saves. A fast kernel would convert 8 or 16
-values per instruction (llama.cpp's hand-written SIMD); this one is for reading.
+Why one long loop per row and not a loop per block: LLVM vectorizes a loop of 288 bytes
+(16 at a time on AVX-512) but left the 16-iteration block loops scalar, one ``cvtsi2ss``
+per nibble (``inspect_asm``): written block by block, the same kernel was 5-8x slower
+than oneDNN's fp32 GEMV, written as below it is within reach of it
+(docs/tutorial/quantization.md has the measurements). Each weight byte is read once per
+activation row; at one sequence that is once per step, and the step is bound by bytes:
+a Q4_1 weight is 5/8 of a byte plus its share of the scales, not the 4 bytes of fp32.
 
-Serial and parallel versions share the loop body; the parallel one splits output features
-across numba's threads (``prange``), which write disjoint outputs, so no locks.
 """
 
 from __future__ import annotations
@@ -49,62 +49,61 @@ if "NUMBA_THREADING_LAYER" not in os.environ:  # as in numba_cpu.py: beside torc
     numba.config.THREADING_LAYER = "workqueue"
 
 BLOCK = 32  # weights per block, both formats
-LOW_NIBBLE = np.int32(0xF)
+LOW_NIBBLE = np.uint8(0xF)
 
 
 @njit(inline="always", fastmath=True)
-def _q4_1_row(qs, d, m, n, x, x_sums, y):
-    """y[:, n] = x @ (weight row n). Per block, with q the 32 stored values:
-    sum_j (d q_j + m) x_j  =  d * sum_j q_j x_j  +  m * sum_j x_j,
-    and sum_j x_j (``x_sums``) is the same for every row, so it is computed once per call."""
-    num_rows, num_blocks = x.shape[0], d.shape[1]
-    half = BLOCK // 2
-    for r in range(num_rows):
+def _q4_1_row(qs, d, m, n, x_low, x_high, x_sums, y):
+    """y[:, n] = x @ (weight row n of a Q4_1 matrix).
+
+    Byte ``k`` of the row (block ``k // 16``) holds two weights: its low nibble is the
+    block's weight ``k % 16``, its high nibble weight ``k % 16 + 16``; ``x_low[k]`` and
+    ``x_high[k]`` are the inputs those two weights multiply. Per block,
+    sum_j (d q_j + m) x_j = d * sum_j q_j x_j + m * sum_j x_j."""
+    row, scales, minimums = qs[n], d[n], m[n]
+    for r in range(x_low.shape[0]):
+        xl, xh = x_low[r], x_high[r]
         acc = np.float32(0.0)
-        for b in range(num_blocks):
-            dot = np.float32(0.0)  # sum_j q_j x_j over the block
-            for i in range(half):
-                byte = np.int32(qs[n, b * half + i])
-                low, high = byte & LOW_NIBBLE, byte >> 4  # weights i and i + 16
-                dot += np.float32(low) * x[r, b * BLOCK + i]
-                dot += np.float32(high) * x[r, b * BLOCK + half + i]
-            acc += d[n, b] * dot + m[n, b] * x_sums[r, b]
+        for k in range(row.shape[0]):  # one long loop over the row's bytes: LLVM vectorizes it
+            low, high = row[k] & LOW_NIBBLE, row[k] >> 4
+            acc += scales[k >> 4] * (np.float32(low) * xl[k] + np.float32(high) * xh[k])
+        for b in range(scales.shape[0]):  # the minimums: m * sum(x), block by block
+            acc += minimums[b] * x_sums[r, b]
         y[r, n] = acc
 
 
 @njit(inline="always", fastmath=True)
 def _q8_0_row(qs, d, n, x, y):
-    """y[:, n] = x @ (weight row n): per block, d * sum_j q_j x_j."""
-    num_rows, num_blocks = x.shape[0], d.shape[1]
-    for r in range(num_rows):
+    """y[:, n] = x @ (weight row n of a Q8_0 matrix): per block, d * sum_j q_j x_j."""
+    row, scales = qs[n], d[n]
+    for r in range(x.shape[0]):
+        xr = x[r]
         acc = np.float32(0.0)
-        for b in range(num_blocks):
-            dot = np.float32(0.0)
-            for j in range(BLOCK):
-                dot += np.float32(qs[n, b * BLOCK + j]) * x[r, b * BLOCK + j]
-            acc += d[n, b] * dot
+        for k in range(row.shape[0]):  # one long loop over the row (k >> 5: its block)
+            acc += scales[k >> 5] * (np.float32(row[k]) * xr[k])
         y[r, n] = acc
 
 
 @njit(fastmath=True, cache=True)
-def q4_1_matmul_serial(qs, d, m, x, x_sums, y):
+def q4_1_matmul_serial(qs, d, m, x_low, x_high, x_sums, y):
     """``y = x @ W.T`` for a Q4_1 matrix ``W`` (``qs`` uint8 ``[N, K // 2]``, ``d``/``m``
-    fp32 ``[N, K // 32]``), ``x`` fp32 ``[M, K]``, ``y`` fp32 ``[M, N]``; on this thread."""
+    fp32 ``[N, K // 32]``; ``x`` given as `split_nibble_inputs`), ``y`` fp32 ``[M, N]``;
+    on this thread."""
     for n in range(qs.shape[0]):
-        _q4_1_row(qs, d, m, n, x, x_sums, y)
+        _q4_1_row(qs, d, m, n, x_low, x_high, x_sums, y)
 
 
 @njit(fastmath=True, parallel=True, cache=True)
-def q4_1_matmul_parallel(qs, d, m, x, x_sums, y):
+def q4_1_matmul_parallel(qs, d, m, x_low, x_high, x_sums, y):
     """`q4_1_matmul_serial`, output features split across numba's threads."""
     for n in prange(qs.shape[0]):
-        _q4_1_row(qs, d, m, n, x, x_sums, y)
+        _q4_1_row(qs, d, m, n, x_low, x_high, x_sums, y)
 
 
 @njit(fastmath=True, cache=True)
 def q8_0_matmul_serial(qs, d, x, y):
     """``y = x @ W.T`` for a Q8_0 matrix ``W`` (``qs`` int8 ``[N, K]``, ``d`` fp32
-    ``[N, K // 32]``); on this thread."""
+    ``[N, K // 32]``), ``x`` fp32 ``[M, K]``; on this thread."""
     for n in range(qs.shape[0]):
         _q8_0_row(qs, d, n, x, y)
 
@@ -116,15 +115,48 @@ def q8_0_matmul_parallel(qs, d, x, y):
         _q8_0_row(qs, d, n, x, y)
 
 
+@njit(fastmath=True, cache=True)
+def q4_1_dequantize_nibble_order(qs, d, m, out):
+    """The fp32 weights ``d * q + m`` of a Q4_1 matrix into ``out`` ``[N, K]``, each row as
+    its low nibbles' weights then its high nibbles' (`split_nibble_inputs`' order), so
+    that ``[x_low, x_high] @ out.T`` is ``x @ W.T``. Flat loops, as in the kernel."""
+    half = qs.shape[1]
+    for n in range(qs.shape[0]):
+        row, scales, minimums = qs[n], d[n], m[n]
+        low, high = out[n, :half], out[n, half:]
+        for k in range(half):
+            low[k] = scales[k >> 4] * np.float32(row[k] & LOW_NIBBLE) + minimums[k >> 4]
+            high[k] = scales[k >> 4] * np.float32(row[k] >> 4) + minimums[k >> 4]
+
+
+@njit(fastmath=True, cache=True)
+def q8_0_dequantize(qs, d, out):
+    """The fp32 weights ``d * q`` of a Q8_0 matrix into ``out`` ``[N, K]``."""
+    for n in range(qs.shape[0]):
+        row, scales, weights = qs[n], d[n], out[n]
+        for k in range(row.shape[0]):
+            weights[k] = scales[k >> 5] * np.float32(row[k])
+
+
+def split_nibble_inputs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``x`` ``[M, K]`` as the Q4_1 kernel reads it: ``x_low[:, k]`` and ``x_high[:, k]``
+    are the inputs of byte ``k``'s low and high nibble (weights ``k % 16`` and
+    ``k % 16 + 16`` of block ``k // 16``), ``x_sums`` each block's sum ``[M, K // 32]``."""
+    blocks = x.reshape(x.shape[0], -1, 2, BLOCK // 2)  # [M, block, low/high half, 16]
+    x_low = np.ascontiguousarray(blocks[:, :, 0]).reshape(x.shape[0], -1)
+    x_high = np.ascontiguousarray(blocks[:, :, 1]).reshape(x.shape[0], -1)
+    return x_low, x_high, blocks.sum(axis=(2, 3), dtype=np.float32)
+
+
 def q4_1_matmul(qs, d, m, x, threads: int = 1) -> np.ndarray:
     """``x @ W.T`` for Q4_1 ``W``: a new fp32 ``[M, N]`` array."""
     y = np.empty((x.shape[0], qs.shape[0]), dtype=np.float32)
-    x_sums = x.reshape(x.shape[0], -1, BLOCK).sum(axis=2)  # [M, K // 32]
+    inputs = split_nibble_inputs(x)
     if threads > 1:
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        q4_1_matmul_parallel(qs, d, m, x, x_sums, y)
+        q4_1_matmul_parallel(qs, d, m, *inputs, y)
     else:
-        q4_1_matmul_serial(qs, d, m, x, x_sums, y)
+        q4_1_matmul_serial(qs, d, m, *inputs, y)
     return y
 
 
@@ -139,4 +171,11 @@ def q8_0_matmul(qs, d, x, threads: int = 1) -> np.ndarray:
     return y
 
 
-__all__ = ["BLOCK", "q4_1_matmul", "q8_0_matmul"]
+__all__ = [
+    "BLOCK",
+    "q4_1_dequantize_nibble_order",
+    "q4_1_matmul",
+    "q8_0_dequantize",
+    "q8_0_matmul",
+    "split_nibble_inputs",
+]

@@ -31,7 +31,7 @@ from minivllm.quantization.base import LinearMethod, set_placeholder_weight
 
 BLOCK = 32
 KERNEL_MAX_ROWS = 4  # more activation rows than this: dequantize a slice, then GEMM
-DEQUANT_SLICE_ROWS = 4096  # weight rows dequantized at a time on the GEMM path
+DEQUANT_SLICE_ROWS = 2048  # weight rows dequantized at a time on the GEMM path
 
 
 def kernels():
@@ -111,14 +111,8 @@ class GGUFLinearMethod(LinearMethod):
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
         if rows.shape[0] <= KERNEL_MAX_ROWS:
             out = torch.from_numpy(self.kernel_matmul(layer, rows.numpy()))
-        else:  # FLOP-bound: a GEMM on dequantized slices
-            out = torch.cat(
-                [
-                    rows @ self.dequantize_rows(layer, ids).T
-                    for ids in torch.arange(layer.out_features).split(DEQUANT_SLICE_ROWS)
-                ],
-                dim=1,
-            )
+        else:  # several rows: GEMMs on dequantized slices of the weight
+            out = self.sliced_gemm(layer, rows)
         if layer.bias is not None:
             out = out + layer.bias
         return out.reshape(*x.shape[:-1], layer.out_features)
@@ -129,6 +123,28 @@ class GGUFLinearMethod(LinearMethod):
         if self.kind == "Q8_0":
             return k.q8_0_matmul(parts["qs"], parts["d"], x, threads)
         return k.q4_1_matmul(parts["qs"], parts["d"], parts["m"], x, threads)
+
+    def sliced_gemm(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` by `DEQUANT_SLICE_ROWS` weight rows at a time: each slice dequantized
+        by the numba loop into one reused fp32 buffer, then multiplied by torch's GEMM."""
+        k, parts = kernels(), self._parts(layer)
+        if self.kind == "Q4_1":  # the weights come in nibble order: reorder x to match
+            x = torch.from_numpy(np.concatenate(k.split_nibble_inputs(x.numpy())[:2], axis=1))
+        out = torch.empty(x.shape[0], layer.out_features)
+        buffer = np.empty((min(DEQUANT_SLICE_ROWS, layer.out_features), layer.in_features),
+                          dtype=np.float32)  # fmt: skip
+        for start in range(0, layer.out_features, DEQUANT_SLICE_ROWS):
+            stop = min(start + DEQUANT_SLICE_ROWS, layer.out_features)
+            weights = buffer[: stop - start]
+            if self.kind == "Q8_0":
+                k.q8_0_dequantize(parts["qs"][start:stop], parts["d"][start:stop], weights)
+            else:
+                k.q4_1_dequantize_nibble_order(
+                    parts["qs"][start:stop], parts["d"][start:stop], parts["m"][start:stop],
+                    weights,
+                )  # fmt: skip
+            torch.matmul(x, torch.from_numpy(weights).T, out=out[:, start:stop])
+        return out
 
     def dequantize_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).numpy()
