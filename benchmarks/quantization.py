@@ -81,8 +81,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     bandwidth = measure_read_bandwidth()
-    print(f"memory read bandwidth measured now: {bandwidth / 1e9:.1f} GB/s; "
-          f"{args.threads} thread(s); prompt {args.prompt_len}, {args.max_tokens} tokens")  # fmt: skip
+    print(
+        f"memory read bandwidth measured now: {bandwidth / 1e9:.1f} GB/s; {args.threads} "
+        f"thread(s); prompt {args.prompt_len}, {args.max_tokens} tokens"
+    )
     print("| format | seqs | decode tok/s | CPU ms/step | prefill tok/s | MB/token | "
           "roofline tok/s | % of roofline | same tokens as fp32 |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
