@@ -14,6 +14,7 @@ step could reach if it did nothing but read them. CPU seconds per token
 
     OMP_NUM_THREADS=1 python benchmarks/quantization.py                 # 1 and 32 sequences
     python benchmarks/quantization.py --formats none,int8 --batch 1 --max-tokens 32
+    python benchmarks/quantization.py --rss     # peak resident memory per format
 
 Before/after a change to the engine: run it from both checkouts one after the other
 (``PYTHONPATH=<old worktree>``) and compare within one sitting.
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import random
+import subprocess
+import sys
 import time
 
 import torch
@@ -70,6 +73,24 @@ def measure(quantization, batch: int, prompt_len: int, max_tokens: int, repeats:
     return best
 
 
+RSS_SCRIPT = """
+import resource, sys
+from minivllm import LLM, SamplingParams
+quantization = None if sys.argv[1] == "none" else sys.argv[1]
+llm = LLM(quantization=quantization, num_kv_blocks=64, num_threads=1)
+llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def peak_rss_mb(name: str) -> float:
+    """Peak resident memory of a fresh process that loads the model in this format and
+    generates four tokens (``ru_maxrss``, KiB on Linux)."""
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, name], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    return int(out.stdout.split()[-1]) / 1024
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", default="none,int8,gguf", help="comma list; none = fp32")
@@ -78,7 +99,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--rss", action="store_true", help="only the peak memory per format")
     args = parser.parse_args()
+    if args.rss:
+        print("| format | peak RSS MB |\n| --- | ---: |")
+        for name in args.formats.split(","):
+            print(f"| {'fp32' if name == 'none' else name} | {peak_rss_mb(name):.0f} |")
+        return
     torch.set_num_threads(args.threads)
     bandwidth = measure_read_bandwidth()
     print(

@@ -93,8 +93,11 @@ def weights_line(quantization: str | None, model_config, dtype_bytes: int = 4) -
     held = weight_bytes(model_config, dtype_bytes, quantization=quantization, with_embedding=True)
     read = weight_bytes(model_config, dtype_bytes, quantization=quantization)
     name = quantization or f"none (fp{8 * dtype_bytes})"
+    # int8 keeps two copies of the same numbers: FBGEMM's packed one (one row) and a plain
+    # one for torch._int_mm (several rows); a step reads one of them.
+    copies = " x 2 copies" if quantization == "int8" else ""
     return (
-        f"Weights: quantization {name}: {fmt.description}; {held / 1e6:.1f} MB, "
+        f"Weights: quantization {name}: {fmt.description}; {held / 1e6:.1f} MB{copies}, "
         f"{read / 1e6:.1f} MB read per decode step"
     )
 
