@@ -311,3 +311,31 @@ def _logits_after(model, token_ids):
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), torch.arange(n), kv, metadata)
         return model.compute_logits(hidden[-1:])[0]
+
+
+# --- the command line ------------------------------------------------------------------
+
+
+def test_generate_prints_the_format_and_the_weight_bytes(tiny_llama_path, capsys):
+    from minivllm.cli import main
+    from minivllm.models.loader import load_model_config
+
+    argv = ["generate", "w5 w6", "--model", str(tiny_llama_path), "--num-kv-blocks", "16"]
+    assert main([*argv, "--max-tokens", "2", "--quantization", "int8"]) == 0
+    err = capsys.readouterr().err
+    config, _ = load_model_config(tiny_llama_path)
+    read = arithmetic.weight_bytes(config, 4, quantization="int8")
+    assert "Weights: quantization int8: int8 per-channel weights" in err
+    assert f"{read / 1e6:.1f} MB read per decode step" in err
+    assert main([*argv, "--max-tokens", "2"]) == 0
+    fp32 = arithmetic.weight_bytes(config, 4)
+    assert (
+        f"quantization none (fp32): 32-bit floats; {fp32 / 1e6:.1f} MB" in capsys.readouterr().err
+    )
+
+
+def test_an_unknown_format_is_an_argparse_error(capsys):
+    from minivllm.cli import main
+
+    assert main(["generate", "w5", "--quantization", "int4"]) == 2
+    assert "invalid choice: 'int4'" in capsys.readouterr().err

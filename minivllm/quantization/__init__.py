@@ -102,32 +102,11 @@ def weights_line(quantization: str | None, model_config, dtype_bytes: int = 4) -
     )
 
 
-def model_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes the model's weights take as loaded: parameters and buffers the quantized
-    layers hold (fbgemm's packed copy of an int8 weight counted as well), not the
-    computed rotary tables."""
-    total = 0
-    seen: set[int] = set()
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if name.startswith("rotary.") or id(tensor) in seen or tensor.is_mkldnn:
-            continue
-        seen.add(id(tensor))
-        total += tensor.numel() * tensor.element_size()
-    for module in model.modules():
-        if getattr(module, "is_prepacked", False):
-            total += module.in_features * module.out_features * 4  # a oneDNN fp32 copy
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            total += method.extra_bytes(module)
-    return total
-
-
 __all__ = [
     "QUANTIZATION_METHODS",
     "WeightFormat",
     "bytes_per_weight",
     "check_quantization",
     "get_quantization_config",
-    "model_weight_bytes",
     "weights_line",
 ]

@@ -37,16 +37,9 @@ class LinearMethod:
         """Rows ``ids`` of the fp32 matrix, ``[*ids.shape, in_features]``."""
         raise NotImplementedError
 
-    def extra_bytes(self, layer: nn.Module) -> int:
-        """Bytes held outside the layer's parameters and buffers (a library's packed copy)."""
-        return 0
-
 
 def set_placeholder_weight(layer: nn.Module, method: LinearMethod) -> None:
     """Replace ``layer.weight`` by an empty Parameter that reads rows through ``method``."""
-    placeholder = nn.Parameter(
-        torch.empty(0, device=layer.bias.device if layer.bias is not None else "cpu"),
-        requires_grad=False,
-    )
+    placeholder = nn.Parameter(torch.empty(0, device=layer.weight.device), requires_grad=False)
     placeholder.dequantize_rows = functools.partial(method.dequantize_rows, layer)
     layer.weight = placeholder

@@ -80,9 +80,6 @@ class Int8LinearMethod(LinearMethod):
     def dequantize_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return layer.qweight[ids].float() * layer.weight_scale[ids, None]
 
-    def extra_bytes(self, layer: nn.Module) -> int:
-        return layer.qweight.numel() + 4 * layer.out_features  # FBGEMM's copy
-
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8: ``x ~= q * scale[:, None]``."""
