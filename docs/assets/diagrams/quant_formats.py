@@ -1,4 +1,4 @@
-"""Draws docs/assets/figures/quant-formats.png: one weight row of 64 weights in each
+"""Draws docs/assets/diagrams/quant_formats.svg: one weight row of 64 weights in each
 format minivllm runs (fp32, int8 per channel, GGUF Q4_1, GGUF Q8_0), boxes as wide as
 their bytes. Run: python docs/assets/diagrams/quant_formats.py"""
 
@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
-OUT = Path(__file__).resolve().parents[1] / "figures" / "quant-formats.png"
+OUT = Path(__file__).resolve().with_suffix(".svg")
 WEIGHTS = 64  # two GGUF blocks
 
 # (label, [(bytes, text, colour), ...]) per format, for one row of 64 weights.
@@ -61,7 +61,8 @@ def main() -> None:
     ax.axis("off")
     ax.set_title("One row of 64 weights, drawn to scale (width = bytes in the file)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(OUT, dpi=110)
+    plt.rcParams["svg.fonttype"] = "none"  # labels stay text
+    fig.savefig(OUT, metadata={"Date": None})
 
 
 if __name__ == "__main__":
