@@ -237,9 +237,12 @@ class EngineConfig:
             self.quantization, self.torch_device, self.torch_dtype, self.tensor_parallel_size
         )
         if self.quantization == "gguf" and self.model is not None:
-            from minivllm.models.model_files import HUB_ID, MODEL_NAME
+            from pathlib import Path
 
-            if self.model not in (HUB_ID, MODEL_NAME):
+            from minivllm.models.model_files import HUB_ID, MODEL_NAME, cache_dir
+
+            converted = (cache_dir() / MODEL_NAME).resolve()  # the bundled file, dequantized
+            if self.model not in (HUB_ID, MODEL_NAME) and Path(self.model).resolve() != converted:
                 raise ValueError(
                     f"quantization='gguf' loads the bundled {HUB_ID}'s GGUF file; model "
                     f"{self.model!r} has none (use quantization='int8' for a checkpoint)"
