@@ -88,7 +88,7 @@ test: $(INSTALLED) $(MODEL_STAMP)
 # and whether they are equal (evals/run.py; offline; about 1.5 min on one thread).
 EVAL_THREADS ?= 1
 eval: $(INSTALLED) $(MODEL_STAMP)
-	$(PY) evals/run.py --threads $(EVAL_THREADS)
+	$(PY) evals/run.py --threads $(EVAL_THREADS) $(if $(QUANTIZATION),--quantization $(QUANTIZATION))
 
 # The tutorial notebooks: notebooks/NN_*.py (jupytext) are the source; this runs each one
 # top to bottom (one thread) into build/notebooks/, to prove it still runs. The site shows
