@@ -80,6 +80,24 @@ def test_int8_weights_round_to_nearest_per_row(in_features, out_features, seed):
     assert torch.all(q.abs().amax(dim=1) == 127)
 
 
+def test_int8_zero_rows_stay_zero_and_finite():
+    """An all-zero weight row and an all-zero activation row: scale 1, not a division by
+    zero (NaN)."""
+    layer = Linear(8, 3, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(3, 8))
+        layer.weight[1] = 0
+    layer.quant_method = Int8LinearMethod()
+    layer.process_weights_after_loading()
+    x = torch.randn(3, 8)
+    x[2] = 0
+    for rows in (x, x[2:]):  # several rows (torch._int_mm) and one (FBGEMM)
+        out = layer(rows)
+        assert torch.isfinite(out).all()
+        assert torch.all(out[:, 1] == 0)
+    assert torch.all(layer(x)[2] == 0)
+
+
 def test_int8_batch_rows_are_quantized_alone():
     """Several rows go through per-row activation scales: a row's output does not depend
     on the other rows of its batch."""
@@ -106,8 +124,15 @@ def random_blocks(kind: str, rows: int, num_blocks: int, seed: int) -> np.ndarra
     return raw.reshape(rows, num_blocks * size)
 
 
-def gguf_layer(kind: str, out_features: int, num_blocks: int, seed: int) -> Linear:
-    layer = Linear(32 * num_blocks, out_features, bias=False)
+def gguf_layer(
+    kind: str, out_features: int, num_blocks: int, seed: int, bias: bool = False
+) -> Linear:
+    layer = Linear(32 * num_blocks, out_features, bias=bias)
+    if bias:
+        with torch.no_grad():
+            layer.bias.copy_(
+                torch.randn(out_features, generator=torch.Generator().manual_seed(seed))
+            )
     layer.quant_method = method = GGUFLinearMethod()
     blocks = random_blocks(kind, out_features, num_blocks, seed)
     method.set_blocks(layer, kind, (split_q4_1 if kind == "Q4_1" else split_q8_0)(blocks))
@@ -132,18 +157,24 @@ def test_gguf_parts_dequantize_exactly_as_gguf_does(kind, out_features, num_bloc
     num_rows=rows_st,
     out_features=st.integers(1, 70),
     num_blocks=st.integers(1, 7),
+    bias=st.booleans(),
+    leading=st.sampled_from([(), (2,)]),
     seed=seed_st,
 )
-def test_gguf_matmul_equals_dequantize_then_linear(kind, num_rows, out_features, num_blocks, seed):
-    """The kernel (few rows) and the slice-wise GEMM (many) both compute x @ W.T with the
-    dequantized W, to fp32 rounding."""
-    layer = gguf_layer(kind, out_features, num_blocks, seed)
-    x = torch.randn(num_rows, 32 * num_blocks, generator=torch.Generator().manual_seed(seed))
+def test_gguf_matmul_equals_dequantize_then_linear(
+    kind, num_rows, out_features, num_blocks, bias, leading, seed
+):
+    """The kernel (few rows) and the slice-wise GEMM (many) both compute x @ W.T + b with
+    the dequantized W, to fp32 rounding, for inputs with leading dimensions too."""
+    layer = gguf_layer(kind, out_features, num_blocks, seed, bias)
+    shape = (*leading, num_rows, 32 * num_blocks)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
     weight = layer.quant_method.dequantize(layer)
-    reference = F.linear(x.double(), weight.double())
+    b = None if layer.bias is None else layer.bias.double()
+    reference = F.linear(x.double(), weight.double(), b)
     out = layer(x)
-    assert out.shape == (num_rows, out_features) and out.dtype == torch.float32
-    bound = 1e-5 * (x.double().abs() @ weight.double().abs().T) + 1e-6
+    assert out.shape == (*leading, num_rows, out_features) and out.dtype == torch.float32
+    bound = 1e-5 * (x.double().abs() @ weight.double().abs().T) + 1e-5
     assert torch.all((out.double() - reference).abs() <= bound)
 
 
