@@ -135,7 +135,8 @@ def load_model(
             for module in model.modules():
                 if isinstance(module, Linear):
                     module.quant_method = quant_config.get_linear_method(module)
-                    if quantization == "gguf":  # no fp32 matrix at all: the blocks come
+                    if quantization == "gguf":  # no fp32 matrix: its blocks come from the
+                        # GGUF file (load_gguf_weights), so to_empty allocates nothing here
                         module.weight = nn.Parameter(torch.empty(0), requires_grad=False)
             model.tie_weights()
     model.to_empty(device=device)
