@@ -26,12 +26,11 @@ differs from an fp32 GEMM, so outputs agree to fp32 rounding (tests/test_quantiz
 
 Why one long loop per row and not a loop per block: LLVM vectorizes a loop of 288 bytes
 (16 at a time on AVX-512) but left the 16-iteration block loops scalar, one ``cvtsi2ss``
-per nibble (``inspect_asm``): written block by block, the same kernel was 5-8x slower
-than oneDNN's fp32 GEMV, written as below it is within reach of it
-(docs/tutorial/quantization.md has the measurements). Each weight byte is read once per
-activation row; at one sequence that is once per step, and the step is bound by bytes:
-a Q4_1 weight is 5/8 of a byte plus its share of the scales, not the 4 bytes of fp32.
-
+per nibble (``inspect_asm``): written block by block, the same kernel was several times
+slower than written as below (docs/tutorial/quantization.md has the measurements). Each
+weight byte is read once per activation row; at one sequence that is once per step, and
+the step is bound by bytes: a Q4_1 weight is 5/8 of a byte plus its share of the scales,
+not the 4 bytes of fp32.
 """
 
 from __future__ import annotations
