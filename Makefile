@@ -54,6 +54,8 @@ DEMO_THREADS ?= 1
 DEMO_WORKLOAD := --num-prompts 24 --prompt-len lognormal:48:0.8:16:384 \
 	--output-len lognormal:24:0.6:8:64 --max-model-len 512 \
 	--attention-backend numba-cpu --threads $(DEMO_THREADS) --brief
+# QUANTIZATION=int8 or gguf: the demo's generate step runs that weight format, and its
+# first line ("Weights: quantization ...") says which ran and how many bytes it reads.
 demo: $(MODEL_STAMP)
 	@echo "make demo: four benchmark runs after two questions; 1.4 min measured on an idle 2-core"
 	@echo "machine, 6.5 min when other busy processes shared its cores. Progress below."
