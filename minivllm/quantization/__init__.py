@@ -62,6 +62,8 @@ def check_quantization(
 
         if importlib.util.find_spec("numba") is None:
             raise ValueError("quantization='gguf' needs numba: pip install minivllm[kernels]")
+        if importlib.util.find_spec("gguf") is None:
+            raise ValueError("quantization='gguf' needs gguf: pip install minivllm[gguf]")
         if tensor_parallel_size != 1:
             raise ValueError(
                 "quantization='gguf' does not split its blocks across ranks; it needs "
