@@ -68,6 +68,7 @@ def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None) 
     serving = OpenAIServing(async_llm, model_name, live)
     # Called on the engine thread; setting one attribute of a listed request is safe there.
     async_llm.abort_listeners.append(lambda request_id: live.fail(request_id, "abort"))
+    async_llm.error_listeners.append(lambda request_id: live.fail(request_id, "error"))
     async_llm.step_listeners.append(live.on_step)
     metrics = ServerMetrics(async_llm, model_name)
     app = FastAPI(title="minivllm", version=VERSION)
