@@ -15,6 +15,7 @@ import threading
 import time
 
 import httpx
+
 from minivllm import EngineConfig, LLMEngine
 from minivllm.entrypoints.openai.api_server import BackgroundServer
 from tests.helpers import ENGINE_OPTIONS, MODEL_NAME
@@ -99,4 +100,3 @@ def test_a_step_exception_fails_every_waiting_request_and_health_says_503(
     assert time.monotonic() - stop < 10  # a clean stop, not a backstop timeout
     assert not server._thread.is_alive()
     assert not server.async_llm._thread.is_alive()
-
