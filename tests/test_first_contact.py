@@ -257,6 +257,18 @@ def test_api_key_guards_only_the_openai_routes(engine):
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
         for open_route in ("/health", "/ping", "/metrics", "/", "/live/state", "/version"):
             assert http.get(open_route).status_code == 200, open_route
+        # The live page's data holds other clients' prompts and outputs: blank without the
+        # key (ids and counts stay), whole with it.
+        secret = {**body, "prompt": "my secret password w1"}
+        http.post("/v1/completions", json=secret, headers={"Authorization": "Bearer sesame"})
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            state = http.get("/live/state", headers=headers)
+            assert state.json()["redacted"] is True
+            assert "secret" not in state.text and '"w1' not in state.text, state.text
+            assert {r["num_output_tokens"] for r in state.json()["requests"]} == {2}
+        state = http.get("/live/state", headers={"Authorization": "Bearer sesame"}).json()
+        assert state["redacted"] is False
+        assert [r["prompt"] for r in state["requests"]][-1] == "my secret password w1"
         # vLLM's tokenizer routes are outside /v1, so open too (as vLLM leaves them).
         assert http.post("/tokenize", json={"prompt": "w1 w2"}).json()["count"] == 2
         assert http.post("/detokenize", json={"tokens": [4]}).json()["prompt"] == "w1"

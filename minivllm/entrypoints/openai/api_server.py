@@ -4,8 +4,9 @@ Routes (vLLM's shapes): POST /v1/completions, POST /v1/chat/completions (JSON or
 GET /v1/models, POST /tokenize and /detokenize, /health, /ping, /version, /metrics
 (Prometheus, vLLM's names), and the live page GET / with its data at GET /live/state. Bad
 input is a 400 (404 for an unknown model) with ``{"error": {"message", "type", "param",
-"code"}}``. With ``--api-key``, as in vLLM, only the ``/v1/*`` routes ask for it
-(``Authorization: Bearer KEY``; else a 401).
+"code"}}``. With ``--api-key``, as in vLLM, the ``/v1/*`` routes ask for it
+(``Authorization: Bearer KEY``; else a 401), and /live/state shows prompts and outputs
+only to a caller with it (see `_require_api_key` for what stays open and why).
 
     python -m minivllm.entrypoints.openai.api_server --port 8000 [engine options]
 """
@@ -64,7 +65,7 @@ def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None) 
     `AsyncLLM` (and shuts it down). With ``api_key``, the ``/v1/*`` routes answer 401
     unless the request carries ``Authorization: Bearer <api_key>``."""
     prometheus_client.disable_created_metrics()  # no `_created` series, as in vLLM
-    live = LiveRequests(start_time=time.perf_counter())
+    live = LiveRequests(start_time=time.perf_counter(), engine=async_llm.engine)
     serving = OpenAIServing(async_llm, model_name, live)
     # Called on the engine thread; setting one attribute of a listed request is safe there.
     async_llm.abort_listeners.append(lambda request_id: live.fail(request_id, "abort"))
@@ -135,8 +136,10 @@ def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None) 
         return HTMLResponse(PAGE.read_text())
 
     @app.get("/live/state")
-    async def live_data(since: int = 0) -> dict:
-        return live_state(async_llm, live, since)
+    async def live_data(raw: Request, since: int = 0) -> dict:
+        # Other clients' prompts and outputs: only for a caller with the key, if one is set.
+        redact = api_key is not None and not _has_api_key(raw, api_key)
+        return live_state(async_llm, live, since, redact=redact)
 
     return app
 
@@ -156,19 +159,24 @@ def _tokenize_request(body: dict) -> TokenizeCompletionRequest | TokenizeChatReq
 
 
 def _require_api_key(app: FastAPI, api_key: str) -> None:
-    """vLLM's --api-key: the OpenAI routes need the key; health, metrics and the live page
-    stay open (a load balancer or scraper has no key)."""
-    expected = f"Bearer {api_key}"
+    """vLLM's --api-key: the OpenAI routes need the key. /health, /ping, /metrics and
+    /version stay open (a load balancer or scraper has no key; they hold counts, no
+    text), as do /tokenize and /detokenize (as in vLLM: they only transform what the
+    caller sends). The live page is static HTML; its data, /live/state, blanks every
+    prompt and output for a caller without the key (`live_state`)."""
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
         is_api = request.url.path.startswith("/v1/") or request.url.path == "/v1"
-        if is_api and request.method != "OPTIONS":
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), expected.encode()):
-                message = "Incorrect or missing API key: send Authorization: Bearer <key>"
-                return JSONResponse(error_body(message, 401), status_code=401)
+        if is_api and request.method != "OPTIONS" and not _has_api_key(request, api_key):
+            message = "Incorrect or missing API key: send Authorization: Bearer <key>"
+            return JSONResponse(error_body(message, 401), status_code=401)
         return await call_next(request)
+
+
+def _has_api_key(request: Request, api_key: str) -> bool:
+    given = request.headers.get("authorization", "")
+    return secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode())
 
 
 async def _respond(raw: Request, work) -> Response:

@@ -21,7 +21,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help="ask clients of /v1/* for this key (Authorization: Bearer KEY), like vLLM's; "
-        "/health, /ping, /metrics and the live page stay open (default: no key)",
+        "/health, /ping, /metrics, /version, /tokenize and /detokenize stay open, and the "
+        "live page shows prompts and outputs only with the key: open it as /#key=KEY "
+        "(default: no key)",
     )
     g.add_argument(
         "--disable-log-stats",
