@@ -66,3 +66,35 @@ def test_cut_texts_show_an_ellipsis():
         tail(tail(text + "yz", TEXT_CHARS) + "abc", TEXT_CHARS)
         == "\u2026" + (text + "yzabc")[-(TEXT_CHARS - 1) :]
     )
+
+
+def test_the_server_reports_the_step_left_in_flight_when_it_goes_idle(tiny_llama_path):
+    """Async scheduling leaves a step in flight after the last request finishes; an idle
+    server reports it at once, so the next request's steps (the live timeline, the
+    metrics) never carry the previous request."""
+    import asyncio
+    import time
+
+    from minivllm.entrypoints.async_llm import AsyncLLM
+
+    config = EngineConfig(model=str(tiny_llama_path), **ENGINE_OPTIONS | {"async_scheduling": True})
+    async_llm = AsyncLLM(LLMEngine(config))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def run(request_id):
+        return await (await async_llm.add_request(request_id, "w1 w2", params)).collect()
+
+    try:
+        asyncio.run(run("first"))
+        deadline = time.monotonic() + 10
+        while async_llm.engine.in_flight is not None:
+            assert time.monotonic() < deadline, "the last step stayed in flight"
+            time.sleep(0.01)
+        seen = len(async_llm.recent_steps)
+        asyncio.run(run("second"))
+    finally:
+        async_llm.shutdown()
+    later = list(async_llm.recent_steps)[seen:]
+    assert later and all(
+        "first" not in (*r.stats.prefill_ids, *r.stats.decode_ids) for r in later
+    ), [(r.stats.prefill_ids, r.stats.decode_ids) for r in later]

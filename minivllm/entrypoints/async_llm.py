@@ -262,7 +262,9 @@ class AsyncLLM:
             deadline = self._drain_deadline
             if deadline is not None and time.monotonic() >= deadline and self._streams:
                 self._fail_all(EngineDeadError("the server shut down before this request finished"))
-            if not engine.has_unfinished_requests():
+            # Async scheduling leaves a step in flight after the last request is done:
+            # report it now, or the next request's first step would report it.
+            if not engine.has_unfinished_requests() and engine.in_flight is None:
                 self._wake_up.wait()  # idle: sleep, no busy loop
                 continue
             self._step()
