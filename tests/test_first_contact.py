@@ -8,7 +8,9 @@ import argparse
 import ast
 import dataclasses
 import re
+import shutil
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -195,7 +197,10 @@ def test_another_hub_id_is_refused_with_how_to_fetch_it():
         model_files.resolve_model_path("meta-llama/Llama-3.2-1B")
     message = str(error.value)
     assert "'meta-llama/Llama-3.2-1B'" in message
-    assert "huggingface-cli download meta-llama/Llama-3.2-1B --local-dir" in message
+    assert "`hf download meta-llama/Llama-3.2-1B --local-dir" in message
+    # The suggested command exists (huggingface_hub's CLI is `hf`; `huggingface-cli` is
+    # its deprecated name, gone from recent versions).
+    assert (Path(sys.executable).parent / "hf").is_file() or shutil.which("hf")
     assert "--model ./Llama-3.2-1B" in message
     # Any other path is the loader's to check (it names what is missing).
     assert model_files.resolve_model_path("./nowhere/at/all") == Path("nowhere/at/all")
