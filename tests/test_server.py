@@ -372,7 +372,7 @@ def test_unknown_model_is_404(server):
     )
     assert reply.status_code == 404
     assert reply.json()["error"] == {
-        "message": "The model `gpt-9` does not exist.",
+        "message": f"The model `gpt-9` does not exist. Served: `{MODEL_NAME}`.",
         "type": "NotFoundError",
         "param": "model",
         "code": 404,

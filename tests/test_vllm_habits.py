@@ -30,3 +30,58 @@ def test_text_prompt_dicts_equal_plain_text(llm):
         llm.generate({"prompt": 42}, params, use_tqdm=False)
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.generate({"prompt": ""}, params, use_tqdm=False)
+
+
+def test_version_flag(capsys):
+    from minivllm.cli import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == "minivllm 0.1.0"
+
+
+def test_serve_takes_the_model_positionally(monkeypatch, capsys):
+    """`minivllm serve MODEL` as `vllm serve MODEL`: the same as --model; two different
+    models are refused in one line."""
+    import minivllm.entrypoints.openai.api_server as api_server
+    from minivllm.cli import main
+
+    seen = []
+    monkeypatch.setattr(api_server, "run_serve", lambda args, config: seen.append(config) or 0)
+    assert main(["serve", "HuggingFaceTB/SmolLM2-135M-Instruct", "--port", "9"]) == 0
+    assert main(["serve", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"]) == 0
+    assert seen[0] == seen[1] and seen[0].model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert main(["serve", "./a", "--model", "./b"]) == 2
+    assert "two models given: './a' and --model './b'" in capsys.readouterr().err
+
+
+def test_the_bundled_model_is_served_under_its_hub_id_too():
+    from minivllm.entrypoints.openai.api_server import served_names
+
+    hub, short = "HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"
+    assert served_names(None) == [short, hub]
+    assert served_names(hub) == [hub, short]  # as vLLM: the --model given, first
+    assert served_names(short) == [short, hub]
+    assert served_names("./my-model") == ["./my-model"]
+
+
+def test_unknown_model_404_lists_the_served_names(tiny_llama_path):
+    import httpx
+
+    from minivllm import EngineConfig, LLMEngine
+    from minivllm.entrypoints.openai.api_server import BackgroundServer
+    from tests.helpers import ENGINE_OPTIONS
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), **ENGINE_OPTIONS))
+    names = ["SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    with BackgroundServer(engine, model_name=names) as server:
+        body = {"prompt": [5, 6], "max_tokens": 2}
+        for name in names:  # either name works, and the reply names the one sent
+            reply = httpx.post(server.url + "/v1/completions", json=body | {"model": name})
+            assert reply.status_code == 200 and reply.json()["model"] == name
+        assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == names
+        reply = httpx.post(server.url + "/v1/completions", json=body | {"model": "gpt-4"})
+        assert reply.status_code == 404
+        assert reply.json()["error"]["message"] == (
+            "The model `gpt-4` does not exist. Served: `SmolLM2-135M-Instruct`, "
+            "`HuggingFaceTB/SmolLM2-135M-Instruct`."
+        )

@@ -48,6 +48,7 @@ from minivllm.entrypoints.openai.protocol import (
 from minivllm.entrypoints.openai.serving import OpenAIServing
 from minivllm.entrypoints.prometheus import ServerMetrics
 from minivllm.entrypoints.stats_logger import LoggingStatLogger, startup_summary
+from minivllm.models.model_files import HUB_ID
 from minivllm.utils import freeze_gc_heap
 
 logger = logging.getLogger("minivllm.serve")
@@ -60,18 +61,23 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds in-flight requests get to finish on SIGTERM
 
 
-def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``async_llm`` under ``model_name``. The caller owns the
+def build_app(
+    async_llm: AsyncLLM, model_name: str | list[str], api_key: str | None = None
+) -> FastAPI:
+    """The FastAPI app serving ``async_llm`` under ``model_name`` (or several names, the
+    first one used in replies and metrics, as vLLM's ``--served-model-name``). The caller
+    owns the
     `AsyncLLM` (and shuts it down). With ``api_key``, the ``/v1/*`` routes answer 401
     unless the request carries ``Authorization: Bearer <api_key>``."""
     prometheus_client.disable_created_metrics()  # no `_created` series, as in vLLM
     live = LiveRequests(start_time=time.perf_counter(), engine=async_llm.engine)
-    serving = OpenAIServing(async_llm, model_name, live)
+    model_names = [model_name] if isinstance(model_name, str) else list(model_name)
+    serving = OpenAIServing(async_llm, model_names, live)
     # Called on the engine thread; setting one attribute of a listed request is safe there.
     async_llm.abort_listeners.append(lambda request_id: live.fail(request_id, "abort"))
     async_llm.error_listeners.append(lambda request_id: live.fail(request_id, "error"))
     async_llm.step_listeners.append(live.on_step)
-    metrics = ServerMetrics(async_llm, model_name)
+    metrics = ServerMetrics(async_llm, model_names[0])
     app = FastAPI(title="minivllm", version=VERSION)
     app.state.async_llm = async_llm
     if api_key is not None:
@@ -112,8 +118,9 @@ def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None) 
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=model_name, root=model_name, max_model_len=async_llm.max_model_len)
-        return ModelList(data=[card])
+        root, max_len = model_names[0], async_llm.max_model_len
+        cards = [ModelCard(id=name, root=root, max_model_len=max_len) for name in model_names]
+        return ModelList(data=cards)
 
     @app.get("/health")
     async def health() -> Response:
@@ -217,7 +224,7 @@ def serve(
     engine: LLMEngine,
     host: str,
     port: int,
-    model_name: str,
+    model_name: str | list[str],
     log_level="info",
     api_key: str | None = None,
     log_stats: bool = True,
@@ -233,7 +240,8 @@ def serve(
     re-raises the signal; the handlers below turn that into a normal return."""
     async_llm = AsyncLLM(engine)
     app = build_app(async_llm, model_name, api_key)
-    for line in startup_summary(engine, model_name, f"http://{host}:{port}"):
+    names = [model_name] if isinstance(model_name, str) else model_name
+    for line in startup_summary(engine, ", ".join(names), f"http://{host}:{port}"):
         logger.info(line)
     if log_stats:
         LoggingStatLogger(async_llm)
@@ -289,7 +297,7 @@ class BackgroundServer:
     def __init__(
         self,
         engine: LLMEngine,
-        model_name: str = DEFAULT_MODEL_NAME,
+        model_name: str | list[str] = DEFAULT_MODEL_NAME,
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
@@ -320,6 +328,16 @@ class BackgroundServer:
         self.async_llm.shutdown()
 
 
+def served_names(model: str | None) -> list[str]:
+    """The names a client may send as ``model`` when no --served-model-name is given: the
+    --model argument, as in vLLM; for the bundled model both its short name and its Hub id
+    (what a vLLM user types), the one given first."""
+    bundled = [DEFAULT_MODEL_NAME, HUB_ID]
+    if model is None or model in bundled:
+        return sorted(bundled, key=lambda name: name != (model or DEFAULT_MODEL_NAME))
+    return [model]
+
+
 def run_serve(args: argparse.Namespace, engine_config) -> int:
     """The ``serve`` subcommand, given its parsed arguments and the `EngineConfig`."""
     import torch
@@ -329,7 +347,7 @@ def run_serve(args: argparse.Namespace, engine_config) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s")
     engine = LLMEngine(engine_config)
     freeze_gc_heap()  # the start-up objects stay out of the collector's passes, as in vLLM
-    model_name = args.served_model_name or engine_config.model or DEFAULT_MODEL_NAME
+    model_name = args.served_model_name or served_names(engine_config.model)
     try:
         serve(
             engine,
