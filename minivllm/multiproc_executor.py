@@ -182,7 +182,30 @@ class MultiprocExecutor:
 
 
 def check_split(model_config: ModelConfig, tensor_parallel_size: int) -> None:
-    """Refuse a split the sharded layers cannot make, naming the numbers."""
+    """Refuse a split the sharded layers cannot make, naming the numbers and the sizes
+    that would work (1 and 3 for the bundled SmolLM2: 9 heads, 3 KV heads, an MLP of
+    1,536)."""
+    try:
+        _check_split(model_config, tensor_parallel_size)
+    except ValueError as e:
+        sizes = ", ".join(map(str, working_split_sizes(model_config)))
+        raise ValueError(f"{e}; tensor_parallel_size {sizes} would work for this model") from None
+
+
+def working_split_sizes(model_config: ModelConfig) -> list[int]:
+    """Every tensor-parallel size this model's layers split into (at most one head per
+    rank)."""
+    sizes = []
+    for tp in range(1, model_config.num_heads + 1):
+        try:
+            _check_split(model_config, tp)
+        except ValueError:
+            continue
+        sizes.append(tp)
+    return sizes
+
+
+def _check_split(model_config: ModelConfig, tensor_parallel_size: int) -> None:
     c, tp = model_config, tensor_parallel_size
     check_tensor_parallel(c.num_heads, c.num_kv_heads, tp)
     if c.intermediate_size % tp:

@@ -124,7 +124,8 @@ def test_a_worker_that_raises_mid_step_is_reported_and_all_stop(tiny_llama_path)
 
 def test_bad_splits_are_refused_before_any_process_starts(tiny_llama_path, monkeypatch):
     with pytest.raises(ValueError, match="4 attention heads must be divisible by "
-                       "tensor_parallel_size=3"):  # fmt: skip
+                       "tensor_parallel_size=3; tensor_parallel_size 1, 2, 4 would work "
+                       "for this model$"):  # fmt: skip
         LLM(str(tiny_llama_path), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
         EngineConfig(tensor_parallel_size=0)
@@ -134,6 +135,21 @@ def test_bad_splits_are_refused_before_any_process_starts(tiny_llama_path, monke
                        "sees 1"):  # fmt: skip
         EngineConfig(device="cuda", tensor_parallel_size=2)
     assert multiprocessing.active_children() == []
+
+
+def test_the_bundled_models_refusal_names_the_sizes_that_work(smollm2_path):
+    """SmolLM2-135M: 9 heads, 3 KV heads, an MLP of 1,536 (not divisible by 9): the
+    `-tp 2` a vLLM user types is refused with the sizes that would work."""
+    from minivllm.models.loader import load_model_config
+    from minivllm.multiproc_executor import check_split, working_split_sizes
+
+    model_config, _ = load_model_config(smollm2_path)
+    assert working_split_sizes(model_config) == [1, 3]
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2; tensor_parallel_size 1, 3 "):
+        check_split(model_config, 2)
+    with pytest.raises(ValueError, match=r"intermediate_size=1536 must be divisible by "
+                       r"tensor_parallel_size=9; tensor_parallel_size 1, 3 "):  # fmt: skip
+        check_split(model_config, 9)
 
 
 @pytest.mark.slow  # SmolLM2 on three ranks of two cores: about a minute or two
@@ -188,3 +204,27 @@ def test_server_with_two_ranks_answers_openai_and_ctrl_c_leaves_no_process(tiny_
         if server.poll() is None:
             server.kill()
     assert_all_gone(pids)
+
+
+def test_the_docs_tp_examples_run_with_the_bundled_model(smollm2_path):
+    """Every `-tp N` / `tensor_parallel_size=N` the README and the chapter give for the
+    bundled model (not the simulator's, which models other hardware) is a size it splits
+    into."""
+    import re
+    from pathlib import Path
+
+    from minivllm.models.loader import load_model_config
+    from minivllm.multiproc_executor import working_split_sizes
+
+    sizes = working_split_sizes(load_model_config(smollm2_path)[0])
+    root = Path(__file__).parent.parent
+    pages = [root / "README.md", *sorted((root / "docs/tutorial").glob("tensor-parallelism*.md"))]
+    found = []
+    for page in pages:
+        for line in page.read_text().splitlines():
+            if "simulate" in line or "--tp " in line:
+                continue
+            for match in re.finditer(r"(?:-tp |tensor_parallel_size=)(\d+)", line):
+                found.append((page.name, int(match.group(1))))
+    assert len(found) >= 5, found
+    assert [f for f in found if f[1] not in sizes] == []
