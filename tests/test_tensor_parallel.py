@@ -228,3 +228,50 @@ def test_the_docs_tp_examples_run_with_the_bundled_model(smollm2_path):
                 found.append((page.name, int(match.group(1))))
     assert len(found) >= 5, found
     assert [f for f in found if f[1] not in sizes] == []
+
+
+SCRIPT = """\
+from minivllm import LLM
+
+def build():
+    return LLM({path!r}, tensor_parallel_size=2, attention_backend="torch")
+
+{call}
+"""
+
+
+@pytest.mark.parametrize("call", ["llm = build()", "if True:\n    llm = build()"])
+def test_a_script_without_a_main_guard_is_told_in_one_line(tiny_llama_path, tmp_path, call):
+    """Workers spawn and import the script again: a script that starts them at top level
+    is refused before any process starts, in one line naming the fix (it used to print a
+    page of multiprocessing traceback per worker)."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(SCRIPT.format(path=str(tiny_llama_path), call=call))
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"RuntimeError: {script}:") and 'if __name__ == "__main__":' in last
+    assert len(done.stderr.splitlines()) < 40, done.stderr  # one traceback, not one per worker
+    assert "bootstrapping" not in done.stderr
+
+
+def test_the_main_guard_check_reads_the_script():
+    from minivllm.multiproc_executor import unguarded_line
+
+    source = (
+        "import x\n"  # 1
+        "llm = x.LLM()\n"  # 2
+        "def f():\n"  # 3
+        "    return x.LLM()\n"  # 4
+        "if __name__ == '__main__':\n"  # 5
+        "    f()\n"  # 6
+        "else:\n"  # 7
+        "    f()\n"  # 8
+        "if '__main__' == __name__:\n"  # 9
+        "    f()\n"  # 10
+        "if __name__ != '__main__':\n"  # 11
+        "    f()\n"  # 12
+    )
+    assert [unguarded_line(source, n) for n in (2, 4, 6, 8, 10, 12)] == [2, None, None, 8, None, 12]
