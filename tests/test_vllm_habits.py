@@ -85,3 +85,44 @@ def test_unknown_model_404_lists_the_served_names(tiny_llama_path):
             "The model `gpt-4` does not exist. Served: `SmolLM2-135M-Instruct`, "
             "`HuggingFaceTB/SmolLM2-135M-Instruct`."
         )
+
+
+def test_errors_at_the_door_have_openais_shape(server):
+    """`stream_options` without `stream` is a 400 (as vLLM); a body nested too deep to
+    parse, an unknown route and a wrong method answer in OpenAI's error JSON, as every
+    other error does (they used to be FastAPI's {"detail": ...})."""
+    import httpx
+
+    from tests.helpers import MODEL_NAME
+
+    url = server.url + "/v1/completions"
+    body = {"model": MODEL_NAME, "prompt": "w1", "max_tokens": 2}
+    for route in (url, server.url + "/v1/chat/completions"):
+        request = body | {"stream_options": {"include_usage": True}}
+        if "chat" in route:
+            request = {k: v for k, v in request.items() if k != "prompt"}
+            request["messages"] = [{"role": "user", "content": "w1"}]
+        reply = httpx.post(route, json=request)
+        assert reply.status_code == 400
+        assert reply.json()["error"] == {
+            "message": "stream_options can only be given with stream: true",
+            "type": "BadRequestError",
+            "param": "stream_options",
+            "code": 400,
+        }
+    streamed = body | {"stream": True, "stream_options": {"include_usage": True}}
+    assert httpx.post(url, json=streamed).status_code == 200
+    assert httpx.post(url, json=body | {"stream_options": None}).status_code == 200
+
+    deep = '{"prompt": ' + "[" * 3000 + "]" * 3000 + "}"
+    headers = {"content-type": "application/json"}
+    cases = [
+        (httpx.post(url, content=deep, headers=headers), 400, "BadRequestError"),
+        (httpx.get(server.url + "/nowhere"), 404, "NotFoundError"),
+        (httpx.get(url), 405, "MethodNotAllowedError"),
+    ]
+    for reply, status, kind in cases:
+        assert reply.status_code == status
+        error = reply.json()["error"]
+        assert error["code"] == status and error["type"] == kind and error["message"]
+    assert "nested too deep" in cases[0][0].json()["error"]["message"]

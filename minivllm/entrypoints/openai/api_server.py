@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.engine import LLMEngine
 from minivllm.entrypoints.async_llm import AsyncLLM
@@ -98,6 +99,16 @@ def build_app(
         )
         param = fields[0].split(".")[0] if fields else None
         return JSONResponse(error_body(message, 400, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own errors (a body it cannot parse, e.g. JSON nested too deep for the
+        # parser; an unknown route or method) in the same shape as every other error.
+        message = str(exc.detail)
+        if message == "There was an error parsing the body":
+            message = "the body could not be parsed as JSON (malformed, or nested too deep)"
+        body = error_body(message, exc.status_code)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:
