@@ -15,6 +15,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from minivllm import EngineConfig, LLMEngine
 from minivllm.entrypoints.openai.api_server import BackgroundServer
@@ -100,3 +101,42 @@ def test_a_step_exception_fails_every_waiting_request_and_health_says_503(
     assert time.monotonic() - stop < 10  # a clean stop, not a backstop timeout
     assert not server._thread.is_alive()
     assert not server.async_llm._thread.is_alive()
+
+
+@pytest.mark.slow  # two worker processes start (~10-40 s)
+def test_a_killed_worker_fails_every_request_and_nothing_is_left(tiny_llama_path):
+    """The issue's replay: tensor parallelism, SIGKILL one worker while a plain, an
+    ``n = 2`` and a beam-search request run (and a stream): each gets its error within
+    seconds, /health says 503, and the server stops with no worker left."""
+    import os
+    import signal
+
+    import psutil
+
+    options = ENGINE_OPTIONS | {"tensor_parallel_size": 2}
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), **options))
+    pids = engine.executor.worker_pids
+    requests = {k: v for k, v in REQUESTS.items() if k != "n2-stream"}
+    try:
+        with BackgroundServer(engine, model_name=MODEL_NAME) as server:
+            with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+                futures = {k: pool.submit(_post, server.url, b) for k, b in requests.items()}
+                deadline = time.monotonic() + 60
+                while server.async_llm.num_in_flight < len(requests):
+                    assert time.monotonic() < deadline, "the requests did not all start"
+                    time.sleep(0.01)
+                os.kill(pids[1], signal.SIGKILL)
+                start = time.monotonic()
+                answers = {k: f.result(timeout=30) for k, f in futures.items()}
+                assert time.monotonic() - start < 15
+            for name, (_, body) in answers.items():
+                assert body["error"]["code"] == 503, (name, body)
+                assert "worker 1" in body["error"]["message"], (name, body)
+            assert httpx.get(server.url + "/health").status_code == 503
+    finally:
+        engine.close()
+    deadline = time.monotonic() + 10
+    for pid in pids:
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, f"worker pid {pid} is still running"
+            time.sleep(0.1)
