@@ -25,6 +25,7 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # +inf (from ~1e-38 in float32), every such token ties at +inf and the softmax gives NaN.
 # From 0.01 a logit grows at most 100x and stays finite, so the top token survives.
 MIN_REPETITION_PENALTY = 0.01
+MAX_LENGTH_PENALTY_DECADES = 30  # see BeamSearchParams
 # vLLM's default ``max_logprobs`` (OpenAI's chat ``top_logprobs`` allows as many).
 MAX_LOGPROBS = 20
 
@@ -291,3 +292,17 @@ class BeamSearchParams:
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        # A score divides cum_logprob by num_tokens ** length_penalty in float32: keep that
+        # factor within 1e+-30 at any length up to max_tokens, which leaves the sum of the
+        # logprobs 8 decades before the score overflows (or every score flushes to -0.0).
+        bound = (
+            MAX_LENGTH_PENALTY_DECADES / math.log10(self.max_tokens)
+            if self.max_tokens > 1
+            else math.inf
+        )
+        if not abs(self.length_penalty) <= bound:
+            raise ValueError(
+                f"length_penalty must be in [-{bound:.2f}, {bound:.2f}] for max_tokens="
+                f"{self.max_tokens} (max_tokens ** length_penalty must stay within "
+                f"1e+-{MAX_LENGTH_PENALTY_DECADES} in float32), got {self.length_penalty}"
+            )
