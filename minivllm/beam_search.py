@@ -57,7 +57,12 @@ from minivllm.sequence import Sequence
 class BeamSearchSequence:
     """One returned beam (vLLM's ``BeamSearchSequence``): ``tokens`` include the prompt;
     ``logprobs`` has one dict per output token (its step's candidates); ``text`` is the
-    output without a final EOS."""
+    output without a final EOS.
+
+    One difference from vLLM's offline ``LLM.beam_search``: there ``text`` decodes all of
+    ``tokens``, so it starts with the prompt; here it is the output alone, the text the
+    HTTP route's choices carry (as vLLM's server sends them). vLLM's offline text is
+    ``tokenizer.decode(seq.tokens)``."""
 
     tokens: list[int]
     logprobs: SampleLogprobs = field(default_factory=list)

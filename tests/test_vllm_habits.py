@@ -126,3 +126,19 @@ def test_errors_at_the_door_have_openais_shape(server):
         error = reply.json()["error"]
         assert error["code"] == status and error["type"] == kind and error["message"]
     assert "nested too deep" in cases[0][0].json()["error"]["message"]
+
+
+def test_beam_text_is_the_output_alone_and_the_difference_is_documented(llm):
+    """vLLM's offline beam text starts with the prompt; minivllm's is the output alone
+    (what the HTTP choices carry): the docstring says so, and how to get vLLM's."""
+    from minivllm.beam_search import BeamSearchSequence
+
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = tokenizer(PROMPTS[0]).input_ids
+    [out] = llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=4))
+    for seq in out.sequences:
+        assert seq.tokens[: len(prompt_ids)] == prompt_ids
+        output_ids = [t for t in seq.tokens[len(prompt_ids) :] if t != tokenizer.eos_token_id]
+        assert seq.text == tokenizer.decode(output_ids)
+    doc = " ".join(BeamSearchSequence.__doc__.split())
+    assert "here it is the output alone" in doc and "tokenizer.decode(seq.tokens)" in doc
