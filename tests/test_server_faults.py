@@ -21,7 +21,7 @@ from minivllm import EngineConfig, LLMEngine
 from minivllm.entrypoints.openai.api_server import BackgroundServer
 from tests.helpers import ENGINE_OPTIONS, MODEL_NAME
 
-LONG = {"max_tokens": 90, "ignore_eos": True, "temperature": 0}
+LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
 REQUESTS = {
     "plain": {"prompt": "w1 w2", **LONG},
     "stream": {"prompt": "w3 w4", "stream": True, **LONG},
@@ -62,6 +62,7 @@ def test_a_step_exception_fails_every_waiting_request_and_health_says_503(
         if armed.is_set():
             calls_after.append(time.monotonic())
             raise RuntimeError("simulated executor death")
+        time.sleep(0.02)  # slow enough that none finishes before all have started
         return real_step()
 
     monkeypatch.setattr(engine, "step", step)
