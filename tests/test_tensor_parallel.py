@@ -275,3 +275,47 @@ def test_the_main_guard_check_reads_the_script():
         "    f()\n"  # 12
     )
     assert [unguarded_line(source, n) for n in (2, 4, 6, 8, 10, 12)] == [2, None, None, 8, None, 12]
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_rank_that_answers_a_step_with_an_error_fails_it_even_when_the_others_replied(
+    failing_rank,
+):
+    """The executor's side of a step, with stand-in workers (sleeping processes whose
+    pipes the test answers for them): every other rank replies, one rank answers with its
+    exception. The step fails naming that rank, its pid and its traceback, and every
+    worker is stopped."""
+    import multiprocessing as mp
+    import weakref
+
+    from minivllm.multiproc_executor import MultiprocExecutor, WorkerHandle, stop_workers
+    from minivllm.worker import WorkerError, WorkerReply
+
+    context = mp.get_context("spawn")
+    workers, worker_ends = [], []
+    for rank in range(3):
+        engine_end, worker_end = context.Pipe()
+        process = context.Process(target=time.sleep, args=(60,), daemon=True)
+        process.start()
+        workers.append(WorkerHandle(rank, process, engine_end))
+        worker_ends.append(worker_end)
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor.workers = workers
+    executor._finalizer = weakref.finalize(executor, stop_workers, workers)
+    for rank, end in enumerate(worker_ends):  # the others first: they all replied
+        if rank != failing_rank:
+            end.send(WorkerReply())
+    traceback = 'Traceback (most recent call last):\n  File "x.py"\nValueError: boom'
+    worker_ends[failing_rank].send(WorkerError(failing_rank, traceback))
+    pid = workers[failing_rank].process.pid
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as error:
+        executor._receive(30, "running a step")
+    assert time.monotonic() - start < 10
+    message = str(error.value)
+    assert message.startswith(
+        f"tensor-parallel worker {failing_rank} (pid {pid}) raised while running a step:\n"
+    )
+    assert traceback in message and message.endswith("all 3 workers were stopped")
+    assert_all_gone([w.process.pid for w in workers])
+    assert not executor._finalizer.alive
