@@ -142,3 +142,22 @@ def test_beam_text_is_the_output_alone_and_the_difference_is_documented(llm):
         assert seq.text == tokenizer.decode(output_ids)
     doc = " ".join(BeamSearchSequence.__doc__.split())
     assert "here it is the output alone" in doc and "tokenizer.decode(seq.tokens)" in doc
+
+
+def test_serve_without_its_extra_suggests_an_install_that_works_in_a_clone(monkeypatch, capsys):
+    """minivllm is installed from its clone, not PyPI: `pip install 'minivllm[serve]'`
+    would fail; `pip install -e ".[serve]"` in the clone works, and the extra exists."""
+    import sys
+    from pathlib import Path
+
+    import tomllib
+
+    from minivllm.cli import main
+
+    monkeypatch.setitem(sys.modules, "minivllm.entrypoints.openai.api_server", None)
+    assert main(["serve", "--port", "9"]) == 2
+    err = capsys.readouterr().err
+    assert 'pip install -e ".[serve]" in the minivllm clone' in err
+    assert "minivllm[serve]" not in err
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    assert "serve" in pyproject["project"]["optional-dependencies"]
