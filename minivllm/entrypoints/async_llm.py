@@ -42,6 +42,14 @@ T = TypeVar("T")
 PromptFactory = Callable[[], Prompt]  # builds the engine prompt on the engine thread
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed inside a step (the engine's finish_reason "error"); the engine
+    and the other requests go on. The server answers 500."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__(f"the engine failed on this request: {error}")
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served (vLLM's
     ``EngineDeadError``: the server answers 503, /health included)."""
@@ -286,6 +294,11 @@ class AsyncLLM:
         except Exception as e:
             self._die(e)
             return
+        # A request that failed alone in the step (finish_reason "error") ends with an
+        # error for its caller; the others go on.
+        failed = [o for o in outputs if o.error is not None]
+        if failed:
+            outputs = [o for o in outputs if o.error is None]
         if engine.last_stats is not None:  # the step ran: the engine's snapshot of it
             self._num_steps += 1
             record = StepRecord(self._num_steps, engine.last_stats)
@@ -302,6 +315,12 @@ class AsyncLLM:
             if output.finished:
                 del self._streams[output.request_id]
         _deliver_threadsafe(deliveries)
+        for output in failed:
+            stream = self._streams.pop(output.request_id, None)
+            if stream is not None:
+                stream.put_threadsafe(RequestFailedError(output.error))
+            for listener in self.error_listeners:
+                _call_logged(listener, output.request_id)
 
     def _die(self, error: Exception) -> None:
         """A step raised: the engine is dead (see the class docstring). Each stream is
