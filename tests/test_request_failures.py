@@ -127,3 +127,37 @@ def test_over_http_the_failed_request_gets_a_500_and_the_server_stays_healthy(se
     metrics = httpx.get(server.url + "/metrics").text
     line = [x for x in metrics.splitlines() if 'finished_reason="error"' in x and "_total" in x]
     assert float(line[0].rsplit(" ", 1)[1]) == 2
+
+
+def test_when_a_step_raises_offline_the_call_leaves_nothing_queued(tiny_llama_path, monkeypatch):
+    """`LLM.generate` / `beam_search` whose step raises (an executor that lost a worker,
+    Ctrl-C) aborts what it queued, ``n > 1`` requests and searches as whole groups: no
+    request, group or block is left for the next call, which runs normally."""
+    from minivllm import LLM
+
+    llm = LLM(str(tiny_llama_path), **ENGINE_OPTIONS)
+    engine = llm.llm_engine
+    real_execute = engine.executor.execute_model
+    calls = {"n": 0}
+
+    def execute_model(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated worker death")
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.executor, "execute_model", execute_model)
+    pair = SamplingParams(n=2, temperature=0, max_tokens=6)
+    for run_call in (
+        lambda: llm.generate(["w1 w2", "w3"], [GREEDY, pair], use_tqdm=False),
+        lambda: llm.beam_search("w4 w5", BeamSearchParams(2, 6, ignore_eos=True)),
+    ):
+        calls["n"] = 0
+        with pytest.raises(RuntimeError, match="simulated worker death"):
+            run_call()
+        assert not engine.has_unfinished_requests() and engine.in_flight is None
+        assert not engine.request_groups["parallel_sampling"].parents
+        assert not engine.request_groups["beam_search"].groups
+        assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
+    [out] = llm.generate("w1 w2", GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 6
