@@ -90,6 +90,7 @@ def test_the_server_reports_the_step_left_in_flight_when_it_goes_idle(tiny_llama
         while async_llm.engine.in_flight is not None:
             assert time.monotonic() < deadline, "the last step stayed in flight"
             time.sleep(0.01)
+        time.sleep(0.2)  # its report is recorded just after the step returns
         seen = len(async_llm.recent_steps)
         asyncio.run(run("second"))
     finally:
