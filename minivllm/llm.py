@@ -129,11 +129,17 @@ class LLM:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
+            try:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+            except BaseException:  # a step raised (a worker died), or Ctrl-C: nothing of
+                # this call stays queued for the next one; n > 1 and beam-search requests
+                # go as whole groups, by the ids the caller gave
+                engine.abort_request([r for r in request_ids if r not in finished])
+                raise
         return [finished[r] for r in request_ids]
 
 

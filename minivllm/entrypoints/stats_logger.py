@@ -48,7 +48,8 @@ def read_step(stats: StepStats) -> StepCounts:
         num_waiting=stats.num_waiting + stats.num_preempted,
         kv_cache_usage=stats.num_kv_blocks_used / max(stats.num_kv_blocks, 1),
         prefix_cache_hit_rate=stats.prefix_cache.hit_rate,
-        spec_decode_line=spec.log_line() if spec is not None else None,
+        # As vLLM's logger: no line until something was drafted.
+        spec_decode_line=spec.log_line() if spec is not None and spec.num_drafts else None,
     )
 
 
