@@ -29,6 +29,9 @@ def _generate(args: argparse.Namespace) -> int:
         output_kind=RequestOutputKind.DELTA,
     )
     engine = LLMEngine(cli_args.engine_config_from_args(args))
+    from minivllm.quantization import weights_line
+
+    print(weights_line(engine.config.quantization, engine.model_config), file=sys.stderr)
     tokenizer = engine.get_tokenizer()
     # An instruct model answers a question only inside its chat template; without it,
     # SmolLM2 continues the text ("The answer is:") and stops.

@@ -25,8 +25,10 @@ class LLM:
     Llama / Mistral / Qwen2 / Qwen3 checkpoint. Keyword options are `EngineConfig`'s
     (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``,
     ``max_model_len``, ``attention_backend``, ``dtype``, ``device``, ``seed``,
-    ``tensor_parallel_size``, ...). ``tensor_parallel_size=2`` splits the model across two
-    worker processes; `close()` stops them (so do garbage collection and interpreter exit).
+    ``tensor_parallel_size``, ``quantization``, ...). ``quantization="int8"`` or ``"gguf"``
+    holds the weights in fewer bytes (docs/tutorial/quantization.md).
+    ``tensor_parallel_size=2`` splits the model across two worker processes; `close()`
+    stops them (so do garbage collection and interpreter exit).
 
     ``num_threads`` sets torch's CPU threads for the whole process (``torch.set_num_threads``;
     default: torch's, one per core). On a CPU shared with other busy processes, 1 is often

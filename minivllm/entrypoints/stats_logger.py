@@ -53,6 +53,12 @@ def read_step(stats: StepStats) -> StepCounts:
     )
 
 
+def weights_line(quantization, model_config) -> str:
+    from minivllm.quantization import weights_line as line
+
+    return line(quantization, model_config)
+
+
 def startup_summary(engine: LLMEngine, model_name: str, url: str) -> list[str]:
     """The lines ``minivllm serve`` logs once the model is loaded."""
     config = engine.config
@@ -61,6 +67,7 @@ def startup_summary(engine: LLMEngine, model_name: str, url: str) -> list[str]:
     lines = [
         f"Model: {model_name} ({config.model or 'bundled checkpoint'}), dtype {dtype}, "
         f"device {config.torch_device}, attention backend {config.attention_backend_name}",
+        weights_line(config.quantization, engine.model_config),
         f"KV cache: {engine.num_kv_blocks} blocks of {config.block_size} tokens = "
         f"{capacity:,} tokens; max_model_len {engine.max_model_len:,}",
         f"Maximum concurrency for {engine.max_model_len:,} tokens per request: "
