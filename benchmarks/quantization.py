@@ -31,8 +31,8 @@ import time
 import torch
 
 from minivllm import LLM, SamplingParams
+from minivllm.bench.hardware_probe import measure_read_bandwidth
 from minivllm.models import arithmetic
-from minivllm.simulator.hardware_probe import measure_read_bandwidth
 
 
 def run(llm: LLM, prompts: list[dict], max_tokens: int) -> tuple[float, float, list]:
