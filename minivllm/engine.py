@@ -31,7 +31,7 @@ from minivllm.input_processor import InputProcessor, Prompt
 from minivllm.kv_cache_manager import KVCacheManager
 from minivllm.model_info import ModelInfo
 from minivllm.models.model_files import resolve_model_path
-from minivllm.output_processor import OutputProcessor
+from minivllm.output_processor import OutputProcessor, StopDecision
 from minivllm.outputs import ModelRunnerOutput, RequestOutput
 from minivllm.parallel_sampling import ParentRequest, ParentRequests
 from minivllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
@@ -42,6 +42,7 @@ from minivllm.sequence import FinishReason
 from minivllm.spec_decode import NgramProposer, SpecDecodingStats
 from minivllm.static_scheduler import StaticBatchScheduler
 from minivllm.stats import StepStats
+from minivllm.structured_output import StructuredOutputManager, validate_structured_outputs
 
 __all__ = ["LLMEngine", "Prompt"]
 
@@ -91,6 +92,9 @@ class LLMEngine:
         )
         self.parent_requests = ParentRequests()  # n > 1: one parent, n child requests
         self.beam_groups = BeamSearchGroups()  # beam search: one group, its live beams
+        # Structured outputs: requests waiting for their grammar, and the matchers of the
+        # admitted ones (structured_output/). Empty unless a request asked for one.
+        self.structured_output = StructuredOutputManager(tokenizer, self.model_config.vocab_size)
         self.last_step: SchedulerOutput | None = None  # for walkthroughs
         self.last_stats: StepStats | None = None  # the last step's snapshot, if it ran
         self.step_log: list[StepStats] | None = None  # set to [] to record every step
@@ -130,6 +134,7 @@ class LLMEngine:
         """Stop the executor (its worker processes, if any); the engine is done then."""
         if self.step_worker is not None:
             self.step_worker.shutdown()
+        self.structured_output.shutdown()
         self.executor.shutdown()
 
     # --- requests in and out -------------------------------------------------------------
@@ -149,6 +154,9 @@ class LLMEngine:
         self._check_new_request_id(request_id)
         arrival_time = self.clock() if arrival_time is None else arrival_time
         parent = None
+        structured = isinstance(params, SamplingParams) and params.structured_outputs is not None
+        if structured:
+            self._check_structured_outputs(params)
         if isinstance(params, SamplingParams) and params.n > self.config.max_num_seqs:
             raise ValueError(
                 f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs}: the n "
@@ -167,7 +175,36 @@ class LLMEngine:
         for seq in seqs:
             seq.shares_prompt = parent is not None  # siblings share even without caching
             self.output_processor.add_request(seq)
+            if structured:  # the scheduler gets it once its grammar is compiled
+                self.structured_output.add_request(seq)
+            else:
+                self.scheduler.add_request(seq)
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """A constraint that cannot compile, or a setting it cannot work with, raises
+        ValueError naming the field, before anything is queued."""
+        if self.config.scheduling_policy != "continuous":
+            raise ValueError("structured_outputs needs the continuous scheduling policy")
+        if self.model_info.tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer")
+        validate_structured_outputs(params.structured_outputs)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar finished compiling join the scheduler's waiting queue
+        (vLLM's WAITING_FOR_FSM -> WAITING). One whose compile failed (validation passed,
+        so only a resource limit can do that) finishes, aborted: its output is returned."""
+        ready, failed = self.structured_output.take_ready()
+        for seq in ready:
             self.scheduler.add_request(seq)
+        outputs = []
+        for seq, error in failed:
+            logger.error("request %s: its grammar did not compile: %s", seq.request_id, error)
+            seq.finish(FinishReason.ABORT, self.clock())
+            output = self.output_processor.make_output(seq)
+            self.output_processor.abort_request(seq.request_id)
+            if output is not None:
+                outputs.append(output)
+        return self.parent_requests.gather(outputs)
 
     def _check_new_request_id(self, request_id: str) -> None:
         if (
@@ -237,6 +274,13 @@ class LLMEngine:
             return True
         if request_id in self.beam_groups.group_of:  # one beam is not a request of its own
             return False
+        if request_id in self.structured_output.waiting:  # never reached the scheduler
+            seq, _ = self.structured_output.waiting[request_id]
+            self.structured_output.remove(request_id)
+            seq.finish(FinishReason.ABORT, self.clock())
+            self.output_processor.abort_request(request_id)
+            return True
+        self.structured_output.remove(request_id)
         if request_id not in self.scheduler.requests:
             return False
         self.scheduler.finish_requests(request_id, FinishReason.ABORT)
@@ -246,10 +290,10 @@ class LLMEngine:
     # --- the loop ------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.structured_output.waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
+        return len(self.scheduler.requests) + len(self.structured_output.waiting)
 
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, and report every request that made progress.
@@ -259,8 +303,13 @@ class LLMEngine:
         While a beam search is in flight, steps do not overlap: its beams are chosen from a
         step's logprobs, so the next step cannot be scheduled before they are known. The
         step in flight is finished first; then each step runs and reports itself (the
-        async scheduler's one-step-ahead bookkeeping is settled by then)."""
-        if self.step_worker is not None and not self.beam_groups.groups:
+        async scheduler's one-step-ahead bookkeeping is settled by then). The same holds
+        while a request with structured outputs is in flight: its next mask depends on
+        the token the step before samples."""
+        structured = self.structured_output
+        if structured.waiting and (failed := self._admit_compiled()):
+            return failed
+        if self.step_worker is not None and not self.beam_groups.groups and not structured.requests:
             return self._step_async()
         if self.in_flight is not None:
             return self._finish_in_flight()
@@ -268,7 +317,11 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         self.last_step, self.last_stats = scheduler_output, None
         if scheduler_output.is_empty:
+            if structured.waiting and not self.scheduler.has_unfinished_requests():
+                structured.wait_for_compile(timeout=0.05)  # nothing else to do meanwhile
             return []
+        if structured.requests:
+            scheduler_output.grammar_bitmask = structured.grammar_bitmask(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         return self._process_output(scheduler_output, runner_output, start)
 
@@ -303,6 +356,7 @@ class LLMEngine:
         outputs = []
         num_prompt_tokens = num_generation_tokens = 0
         beam_group_of = self.beam_groups.group_of
+        structured_requests = self.structured_output.requests
         sampled_token_ids = runner_output.sampled_token_ids
         has_logprobs = bool(runner_output.logprobs or runner_output.prompt_logprobs)
         for seq in scheduler_output.scheduled_seqs:
@@ -323,6 +377,8 @@ class LLMEngine:
                 self.output_processor.record_logprobs(seq, runner_output)
             stop = self.output_processor.append_tokens(seq, new_tokens, now)
             num_new = seq.num_output_tokens - num_before  # a stop drops the tokens after it
+            if structured_requests and seq.request_id in structured_requests:
+                stop = self._advance_grammar(seq, num_new, stop)
             if num_before == 0 and num_new:  # its prefill is complete
                 num_prompt_tokens += seq.num_prompt_tokens
             num_generation_tokens += num_new
@@ -339,6 +395,17 @@ class LLMEngine:
         if self.step_log is not None:
             self.step_log.append(self.last_stats)
         return self.parent_requests.gather(outputs)
+
+    def _advance_grammar(self, seq, num_new: int, stop: StopDecision | None) -> StopDecision | None:
+        """Structured outputs: the request's matcher takes the tokens it got; a complete
+        output stops the request (even with ``ignore_eos``)."""
+        new_tokens = seq.output_token_ids[len(seq.output_token_ids) - num_new :] if num_new else []
+        terminated = self.structured_output.accept_tokens(seq.request_id, new_tokens)
+        if stop is None and terminated:
+            stop = StopDecision(FinishReason.STOP)
+        if stop is not None:
+            self.structured_output.remove(seq.request_id)
+        return stop
 
     def _advance_beam_search(self, now: float) -> list[RequestOutput]:
         """Each beam-search request whose beams have all reported picks its next beams

@@ -26,7 +26,7 @@ from minivllm.logprobs import compute_logprobs
 from minivllm.models.arithmetic import kv_heads_per_rank
 from minivllm.models.llama import CausalLM
 from minivllm.outputs import ModelRunnerOutput, SampleLogprobs
-from minivllm.sampler import Sampler
+from minivllm.sampler import Sampler, apply_grammar_bitmask
 from minivllm.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledChunk, SchedulerOutput
 from minivllm.spec_decode import RejectionSampler
 
@@ -131,6 +131,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])
         if logits is None:  # a tensor-parallel rank but the first: rank 0 samples
             return ModelRunnerOutput()
+        if scheduler_output.grammar_bitmask is not None:  # structured outputs' rows
+            mask = scheduler_output.grammar_bitmask
+            logits = apply_grammar_bitmask(logits, mask.rows, mask.bitmask)
         output = self._sample(logits[:num_sampled_rows], [c for c, _ in sampling])
         if prompt_chunks:
             output.prompt_logprobs = self._prompt_logprobs(

@@ -12,6 +12,10 @@
    ``probs[i]``. The noise ``E`` comes from each request's own generator, so a seeded
    request draws the same tokens whatever shares its batch.
 
+Structured outputs come first of all (`apply_grammar_bitmask`): the model runner sets the
+logits of the tokens a request's grammar forbids to -inf, in exactly the rows of
+constrained requests, before the sampler or the verification of drafts sees them.
+
 Speculative decoding's verification (spec_decode/rejection_sampler.py) uses the same
 `apply_token_bias` and `sampling_probs`, so a drafted token is judged against exactly the
 distribution the plain sampler would draw from.
@@ -82,6 +86,23 @@ class Sampler:
         for row, banned in banned_per_row.items():
             logits[row, banned] = float("-inf")
         return logits
+
+
+def apply_grammar_bitmask(
+    logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
+) -> torch.Tensor:
+    """Structured outputs: row ``rows[i]`` of ``logits`` keeps only the tokens whose bit is
+    set in ``bitmask[i]`` (int32 words, bit ``t % 32`` of word ``t // 32`` for token
+    ``t``); the others become -inf. One unpack and one masked fill for all the masked
+    rows; the other rows are not touched (nor copied)."""
+    vocab_size = logits.shape[-1]
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    words = bitmask.to(logits.device)
+    allowed = ((words[:, :, None] >> bits) & 1).flatten(1)[:, :vocab_size].bool()
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logits = logits.clone()  # the caller's tensor stays as the model made it
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def apply_token_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
