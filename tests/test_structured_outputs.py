@@ -1,0 +1,431 @@
+"""Structured outputs in the batch: every output that finishes is in its constraint's
+language, whatever the engine does around it (async, chunked prefill, preemption, prefix
+caching, speculative decoding); greedy output equals transformers' with the same mask;
+requests without a constraint are untouched.
+
+The model is a tiny random llama over a byte-level tokenizer (structured_helpers.py), so
+that it can spell any JSON; its outputs are nonsense inside the grammar's bounds, which
+is exactly what a mask has to survive."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from minivllm import StructuredOutputsParams as SO  # noqa: E402
+from minivllm.sampler import apply_grammar_bitmask  # noqa: E402
+from minivllm.structured_output.backend import allowed_tokens, bitmask_words  # noqa: E402
+from minivllm.structured_output.guidance import GuidanceBackend  # noqa: E402
+from tests.structured_helpers import make_byte_checkpoint, make_byte_tokenizer  # noqa: E402
+
+BASE = dict(
+    num_kv_blocks=256, block_size=4, max_num_seqs=16, max_num_batched_tokens=64,
+    attention_backend="torch", async_scheduling=False,
+)  # fmt: skip
+CONFIGS = {
+    "sync": {},
+    "async": dict(async_scheduling=True),
+    "chunked": dict(max_num_batched_tokens=8),
+    "preempt": dict(num_kv_blocks=40),
+    "prefix": dict(enable_prefix_caching=True),
+    "spec": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+}  # fmt: skip
+MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def byte_model(tmp_path_factory):
+    return str(make_byte_checkpoint(tmp_path_factory.mktemp("bytes")))
+
+
+_LLMS: dict[tuple[str, str], LLM] = {}
+
+
+def llm_for(path: str, config: str) -> LLM:
+    key = (path, config)
+    if key not in _LLMS:
+        _LLMS[key] = LLM(path, **{**BASE, **CONFIGS[config]})
+    return _LLMS[key]
+
+
+# --- constraints, drawn -------------------------------------------------------------------
+
+_leaf = st.one_of(
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.builds(
+        lambda low, span: {"type": "integer", "minimum": low, "maximum": low + span},
+        st.integers(-50, 50),
+        st.integers(0, 200),
+    ),  # fmt: skip
+    st.integers(0, 4).map(lambda n: {"type": "string", "maxLength": n}),
+    st.lists(st.text("abc xy", min_size=1, max_size=3), min_size=1, max_size=3, unique=True).map(
+        lambda values: {"enum": values}
+    ),
+)
+
+
+def _object(children):
+    props = st.dictionaries(
+        st.from_regex(r"[a-z]{1,3}", fullmatch=True), children, min_size=1, max_size=3
+    )
+    return props.map(
+        lambda p: {
+            "type": "object",
+            "properties": p,
+            "required": sorted(p),
+            "additionalProperties": False,
+        }  # fmt: skip
+    )
+
+
+def _array(children):
+    return st.builds(lambda item, n: {"type": "array", "items": item, "maxItems": n}, children,
+                     st.integers(0, 2))  # fmt: skip
+
+
+# Bounded schemas: every instance is short, so a complete output fits in MAX_TOKENS.
+schemas = st.recursive(_leaf, lambda c: st.one_of(_object(c), _array(c)), max_leaves=4)
+_atoms = st.sampled_from(["[a-z]", "[0-9]", "[A-F]", "x", "-", r"\.", "(ab|cd)", " "])
+regexes = st.lists(
+    st.builds(lambda a, m, k: f"{a}{{{m},{m + k}}}", _atoms, st.integers(0, 2), st.integers(0, 3)),
+    min_size=1, max_size=4,
+).map("".join)  # fmt: skip
+choices = st.lists(st.text("abcxyz {}", min_size=1, max_size=6), min_size=1, max_size=4,
+                   unique=True)  # fmt: skip
+
+
+def check(constraint: SO, text: str) -> None:
+    """The text is in the constraint's language."""
+    if constraint.json is not None:
+        jsonschema.validate(json.loads(text), constraint.json)
+    elif constraint.json_object:
+        assert isinstance(json.loads(text), dict)
+    elif constraint.regex is not None:
+        assert re.fullmatch(constraint.regex, text), (constraint.regex, text)
+    else:
+        assert text in constraint.choice
+
+
+def batch(schema, regex, choice, temperature):
+    """A mixed batch: three constrained requests, two free ones (one greedy)."""
+    constraints = [SO(json=schema), SO(regex=regex), SO(choice=choice)]
+    prompts = ['{"ab": [1, 2], "c": "x"} {"ab":', "hello", "abc abc", "free", "free too"]
+    params = [
+        SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=temperature, seed=i, structured_outputs=c
+        )  # fmt: skip
+        for i, c in enumerate(constraints)
+    ] + [SamplingParams(max_tokens=24, temperature=0), SamplingParams(max_tokens=24, seed=7)]
+    return constraints, prompts, params
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@settings(max_examples=4)
+@given(schema=schemas, regex=regexes, choice=choices, temperature=st.sampled_from([0.0, 1.0]))
+def test_every_output_is_in_its_language(byte_model, config, schema, regex, choice, temperature):
+    """Each constrained output finishes with "stop" and validates; and the whole batch's
+    tokens are the same as the plain synchronous engine's, constrained or not: async,
+    chunked prefill, preemption, prefix caching and drafts change when things are
+    computed, never what is sampled (seeded requests draw the same noise; drafts are
+    verified by rejection sampling, which draws differently: there, greedy requests)."""
+    constraints, prompts, params = batch(schema, regex, choice, temperature)
+    outputs = llm_for(byte_model, config).generate(prompts, params, use_tqdm=False)
+    for constraint, output in zip(constraints, outputs):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", (constraint, completion.text)
+        check(constraint, completion.text)
+    if config != "sync":
+        reference = llm_for(byte_model, "sync").generate(prompts, params, use_tqdm=False)
+        same = [i for i, p in enumerate(params) if config != "spec" or p.greedy]
+        assert [outputs[i].outputs[0].token_ids for i in same] == [
+            reference[i].outputs[0].token_ids for i in same
+        ]
+
+
+def test_configs_did_what_they_say(byte_model):
+    """The configurations above really preempt and really draft (so the property test
+    exercised the replay and the rollback), with constrained requests in the batch."""
+    schema = {"type": "object", "properties": {"ab": {"type": "array", "items": {"type": "integer",
+              "minimum": 0, "maximum": 9}, "maxItems": 3}}, "required": ["ab"], "additionalProperties": False}  # fmt: skip
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0, structured_outputs=SO(json=schema)
+    )
+    prompts = ['{"ab": [1, 2, 3]} {"ab": [1, 2, 3]} {"ab": [', "x" * 20, "y" * 30, "z" * 40]
+    for config in ("preempt", "spec"):
+        llm = llm_for(byte_model, config)
+        outputs = llm.generate(prompts, [params] * 4, use_tqdm=False)
+        for output in outputs:
+            assert output.outputs[0].finish_reason == "stop"
+            check(SO(json=schema), output.outputs[0].text)
+        engine = llm.llm_engine
+        if config == "preempt":
+            assert engine.scheduler.num_preemptions > 0
+        else:
+            assert engine.spec_decoding_stats.num_draft_tokens > 0
+
+
+# --- the mask itself ----------------------------------------------------------------------
+
+
+@given(
+    num_rows=st.integers(1, 6),
+    vocab_size=st.integers(1, 100),
+    data=st.data(),
+)
+def test_bitmask_masks_exactly_the_listed_rows(num_rows, vocab_size, data):
+    logits = torch.randn(num_rows, vocab_size)
+    rows = data.draw(st.lists(st.integers(0, num_rows - 1), unique=True, max_size=num_rows))
+    words = bitmask_words(vocab_size)
+    bitmask = torch.tensor(
+        data.draw(st.lists(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=words,
+                                    max_size=words), min_size=len(rows), max_size=len(rows))),
+        dtype=torch.int32,
+    ).reshape(len(rows), words)  # fmt: skip
+    masked = apply_grammar_bitmask(logits, rows, bitmask)
+    for row in range(num_rows):
+        if row not in rows:
+            assert torch.equal(masked[row], logits[row])
+            continue
+        word_row = bitmask[rows.index(row)].tolist()
+        for token in range(vocab_size):
+            allowed = (word_row[token // 32] >> (token % 32)) & 1
+            expected = logits[row, token].item() if allowed else float("-inf")
+            assert masked[row, token].item() == expected
+        assert torch.equal(allowed_tokens(bitmask[rows.index(row)], vocab_size),
+                           masked[row] > float("-inf"))  # fmt: skip
+
+
+def test_draft_rows_follow_the_drafts_and_the_matcher_ends_where_it_began():
+    """Row j + 1 of a request with drafts is the mask after drafts 0..j; after a draft
+    the grammar refuses, rows keep the "anything" mask (the sampler rejects that draft at
+    its own row); the matcher is rolled back."""
+    tokenizer = make_byte_tokenizer()
+    vocab_size = 272
+    backend = GuidanceBackend(tokenizer, vocab_size)
+    compiled = backend.compile(SO(regex=r"ab[0-9]{2}"))
+    from minivllm.structured_output.manager import StructuredOutputManager
+
+    ids = {c: tokenizer.convert_tokens_to_ids(c) for c in "ab12z"}
+    grammar = compiled.new_matcher()
+    bitmask = torch.full((5, bitmask_words(vocab_size)), -1, dtype=torch.int32)  # as the step
+    drafts = [ids["a"], ids["b"], ids["z"], ids["1"]]
+    StructuredOutputManager._fill_rows(grammar, drafts, bitmask, 0)
+    for j in range(3):  # rows 0, 1, 2: the masks after drafts[:j]
+        fresh = compiled.new_matcher()
+        assert fresh.accept_tokens(drafts[:j])
+        expected = torch.zeros(1, bitmask.shape[1], dtype=torch.int32)
+        fresh.fill_bitmask(expected, 0)
+        assert torch.equal(bitmask[j], expected[0])
+    assert torch.equal(bitmask[3:], torch.full_like(bitmask[3:], -1))  # after "z": unused
+    allowed = allowed_tokens(bitmask[0], vocab_size).nonzero().flatten().tolist()
+    assert allowed == [ids["a"]]  # nothing consumed: the grammar is at its start again
+    assert grammar.validate_tokens(drafts) == 2
+
+
+# --- the engine around it -----------------------------------------------------------------
+
+
+def test_free_requests_take_the_same_path(byte_model):
+    """A free request's tokens are the same whether constrained requests share its batch
+    or not; and a step without constrained requests carries no mask."""
+    llm = llm_for(byte_model, "sync")
+    free = [SamplingParams(max_tokens=20, temperature=0), SamplingParams(max_tokens=20, seed=3)]
+    alone = llm.generate(["one", "two"], free, use_tqdm=False)
+    constrained = SamplingParams(max_tokens=20, structured_outputs=SO(regex="[0-9]{5}"))
+    mixed = llm.generate(["one", "two", "three"], free + [constrained], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == [o.outputs[0].token_ids for o in alone]
+    engine = llm.llm_engine
+    engine.add_request("plain", "four", SamplingParams(max_tokens=2))
+    engine.step()
+    assert engine.last_step.grammar_bitmask is None and not engine.structured_output.requests
+
+
+def test_n_children_have_their_own_matchers(byte_model):
+    outputs = llm_for(byte_model, "sync").generate(
+        ["pick"],
+        SamplingParams(
+            n=4,
+            max_tokens=40,
+            temperature=1.0,
+            seed=1,
+            structured_outputs=SO(regex="[a-z]{1,3}-[0-9]{1,3}"),
+        ),  # fmt: skip
+        use_tqdm=False,
+    )
+    texts = [c.text for c in outputs[0].outputs]
+    assert len(texts) == 4 and len(set(texts)) > 1, texts
+    for text in texts:
+        assert re.fullmatch("[a-z]{1,3}-[0-9]{1,3}", text)
+
+
+def test_a_complete_output_stops_even_with_ignore_eos(byte_model):
+    output = llm_for(byte_model, "sync").generate(
+        ["x"], SamplingParams(max_tokens=50, ignore_eos=True, structured_outputs=SO(choice=["ok"])),
+        use_tqdm=False,
+    )[0].outputs[0]  # fmt: skip
+    assert output.finish_reason == "stop" and output.text == "ok"
+
+
+def test_cache_hits_and_json_object(byte_model):
+    llm = LLM(byte_model, **BASE)
+    stats = llm.llm_engine.structured_output.stats
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0, structured_outputs=SO(json_object=True)
+    )
+    outputs = llm.generate(["a", "b", "c"], params, use_tqdm=False)
+    assert (stats.num_compiles, stats.num_cache_hits) == (1, 2)
+    for output in outputs:
+        if output.outputs[0].finish_reason == "stop":
+            assert isinstance(json.loads(output.outputs[0].text), dict)
+    # The same schema written with its keys in another order is the same grammar.
+    a = SO(json={"type": "object", "properties": {"x": {"type": "null"}}})
+    b = SO(json='{"properties": {"x": {"type": "null"}}, "type": "object"}')
+    assert a.key == b.key
+
+
+class _SlowBackend:
+    """llguidance, but each compile waits for ``release``."""
+
+    def __init__(self, tokenizer, vocab_size):
+        self.inner = GuidanceBackend(tokenizer, vocab_size)
+        self.release = threading.Event()
+
+    def compile(self, params):
+        assert self.release.wait(30)
+        return self.inner.compile(params)
+
+
+def test_a_compiling_grammar_never_stalls_other_requests(byte_model):
+    """vLLM's WAITING_FOR_FSM: while a grammar compiles, its request waits outside the
+    scheduler and every other request runs to the end; then it runs too. Aborting one
+    that waits works like any abort."""
+    engine = LLMEngine(EngineConfig(model=byte_model, **BASE))
+    backend = {}
+    engine.structured_output.make_backend = lambda t, v: backend.setdefault("b", _SlowBackend(t, v))
+    engine.add_request(
+        "json", "a", SamplingParams(max_tokens=40, structured_outputs=SO(regex="[0-9]{3}"))
+    )
+    engine.add_request(
+        "gone", "a", SamplingParams(max_tokens=40, structured_outputs=SO(regex="[a-z]{3}"))
+    )
+    engine.add_request("free", "b", SamplingParams(max_tokens=10, temperature=0))
+    finished = {}
+    while "free" not in finished:
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert "json" in engine.structured_output.waiting and "json" not in engine.scheduler.requests
+    assert engine.abort_request("gone") and engine.get_num_unfinished_requests() == 1
+    backend["b"].release.set()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert re.fullmatch("[0-9]{3}", finished["json"].outputs[0].text)
+    assert "gone" not in finished
+    engine.close()
+
+
+@pytest.mark.parametrize(
+    "constraint, message",
+    [
+        (dict(regex="a(b"), "structured_outputs.regex does not compile"),
+        (dict(json={"type": "foo"}), "structured_outputs.json does not compile"),
+        (dict(json={"type": "string", "minLength": 3, "maxLength": 1}), "Unsatisfiable"),
+        (dict(grammar="start: nowhere"), "structured_outputs.grammar does not compile"),
+    ],
+)
+def test_bad_constraints_are_refused_before_any_work(byte_model, constraint, message):
+    engine = llm_for(byte_model, "sync").llm_engine
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine.add_request("bad", "x", SamplingParams(structured_outputs=SO(**constraint)))
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(), "exactly one"),
+        (dict(regex="a", choice=["a"]), "exactly one"),
+        (dict(json="{not json"), "structured_outputs.json is not valid JSON"),
+        (dict(json=[1]), "structured_outputs.json must be a JSON schema object"),
+        (dict(choice=[]), "structured_outputs.choice must be a non-empty list"),
+        (dict(choice=["a", 1]), "structured_outputs.choice must be a non-empty list"),
+        (dict(regex=""), "structured_outputs.regex must be a non-empty string"),
+        (dict(json_object="yes"), "structured_outputs.json_object must be true"),
+    ],
+)
+def test_structured_outputs_params_checks_its_fields(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SO(**fields)
+
+
+def test_grammar_accepts_lark_and_gbnf(byte_model):
+    llm = llm_for(byte_model, "sync")
+    for grammar in ('start: "yes" | "no"', 'root ::= "yes" | "no"'):
+        output = llm.generate(
+            ["?"], SamplingParams(max_tokens=10, structured_outputs=SO(grammar=grammar)),
+            use_tqdm=False,
+        )[0].outputs[0]  # fmt: skip
+        assert output.text in ("yes", "no") and output.finish_reason == "stop"
+
+
+# --- parity with transformers ---------------------------------------------------------------
+
+
+def hf_constrained_greedy(model, backend, constraint, prompt_ids, max_new_tokens, eos):
+    """transformers' greedy loop with a logits processor applying the same grammar's mask
+    (the grammar's own matcher, fed the argmax each step)."""
+    matcher = backend.compile(constraint).new_matcher()
+    words = bitmask_words(backend.vocab_size)
+    generated, ids, past = [], torch.tensor([prompt_ids]), None
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1].float()
+            mask = torch.zeros(1, words, dtype=torch.int32)
+            matcher.fill_bitmask(mask, 0)
+            logits = apply_grammar_bitmask(logits, [0], mask)
+            token = int(logits.argmax(-1))
+            generated.append(token)
+            assert matcher.accept_tokens([token])
+            if token in eos or matcher.is_terminated():
+                break
+            ids = torch.tensor([[token]])
+    return generated
+
+
+def test_greedy_equals_transformers_with_the_same_mask(byte_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(byte_model, torch_dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(byte_model)
+    backend = GuidanceBackend(tokenizer, hf.config.vocab_size)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 999}, "s": {"type": "string", "maxLength": 4}},
+              "required": ["n", "s"], "additionalProperties": False}  # fmt: skip
+    constraints = [SO(json=schema), SO(regex="[a-f]{2,6}"), SO(choice=["red", "green", "blue"])]
+    prompts = ["The answer:", "hex", "colour?"]
+    llm = llm_for(byte_model, "sync")
+    outputs = llm.generate(
+        prompts,
+        [SamplingParams(max_tokens=60, temperature=0, structured_outputs=c) for c in constraints],
+        use_tqdm=False,
+    )
+    for prompt, constraint, output in zip(prompts, constraints, outputs):
+        expected = hf_constrained_greedy(
+            hf, backend, constraint, output.prompt_token_ids, 60, {tokenizer.eos_token_id}
+        )
+        assert output.outputs[0].token_ids == expected, prompt
