@@ -26,6 +26,7 @@ from minivllm import StructuredOutputsParams as SO  # noqa: E402
 from minivllm.sampler import apply_grammar_bitmask  # noqa: E402
 from minivllm.structured_output.backend import allowed_tokens, bitmask_words  # noqa: E402
 from minivllm.structured_output.guidance import GuidanceBackend  # noqa: E402
+from tests.helpers import hf_greedy  # noqa: E402
 from tests.structured_helpers import make_byte_checkpoint, make_byte_tokenizer  # noqa: E402
 
 BASE = dict(
@@ -157,8 +158,9 @@ def test_every_output_is_in_its_language(byte_model, config, schema, regex, choi
 def test_configs_did_what_they_say(byte_model):
     """The configurations above really preempt and really draft (so the property test
     exercised the replay and the rollback), with constrained requests in the batch."""
-    schema = {"type": "object", "properties": {"ab": {"type": "array", "items": {"type": "integer",
-              "minimum": 0, "maximum": 9}, "maxItems": 3}}, "required": ["ab"], "additionalProperties": False}  # fmt: skip
+    digits = {"type": "integer", "minimum": 0, "maximum": 9}
+    schema = {"type": "object", "properties": {"ab": {"type": "array", "items": digits,
+              "maxItems": 3}}, "required": ["ab"], "additionalProperties": False}  # fmt: skip
     params = SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0, structured_outputs=SO(json=schema)
     )
@@ -429,3 +431,43 @@ def test_greedy_equals_transformers_with_the_same_mask(byte_model):
             hf, backend, constraint, output.prompt_token_ids, 60, {tokenizer.eos_token_id}
         )
         assert output.outputs[0].token_ids == expected, prompt
+
+
+@pytest.mark.slow
+def test_smollm2_constrained_greedy_equals_transformers(smollm2_path):
+    """The real model on the parity prompts (test_parity.py), each under a constraint, in
+    one batch with chunked prefill and preemption pressure: token for token the same as
+    transformers' greedy loop with the same grammar's mask."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_parity import SMOL_PROMPTS
+
+    llm = LLM(str(smollm2_path), num_kv_blocks=14, block_size=8, max_num_batched_tokens=48)
+    tokenizer = llm.get_tokenizer()
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+              "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+    constraints = [
+        SO(choice=["Paris", "Lyon", "Marseille"]),
+        SO(json=person),
+        SO(regex=r"    return [a-z0-9 +()-]{1,30}"),
+        SO(json_object=True),
+        SO(regex=r"( [0-9]+,){1,4}"),
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=32, structured_outputs=c) for c in constraints
+    ]
+    # Two free requests in the same batch, long enough to press on the KV pool.
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outputs = llm.generate(SMOL_PROMPTS + SMOL_PROMPTS[:2], params + [free] * 2, use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, torch_dtype=torch.float32).eval()
+    backend = GuidanceBackend(tokenizer, hf.config.vocab_size)
+    eos = set(llm.llm_engine.model_info.eos_token_ids)
+    for output in outputs[len(constraints) :]:
+        assert output.outputs[0].token_ids == hf_greedy(hf, output.prompt_token_ids, 40)
+    for constraint, output in zip(constraints, outputs):
+        expected = hf_constrained_greedy(hf, backend, constraint, output.prompt_token_ids, 32, eos)
+        assert output.outputs[0].token_ids == expected, (output.prompt, output.outputs[0].text)
+        if output.outputs[0].finish_reason == "stop":
+            check(constraint, output.outputs[0].text)
