@@ -108,7 +108,13 @@ def main(argv: list[str] | None = None) -> dict:
         return out
 
     model_runner.apply_grammar_bitmask = timed_apply
+    try:
+        return _measure(args, apply_s)
+    finally:
+        model_runner.apply_grammar_bitmask = original_apply
 
+
+def _measure(args: argparse.Namespace, apply_s: list[float]) -> dict:
     engine = LLMEngine(
         EngineConfig(
             model=args.model or str(default_model_path()),

@@ -471,3 +471,20 @@ def test_smollm2_constrained_greedy_equals_transformers(smollm2_path):
         assert output.outputs[0].token_ids == expected, (output.prompt, output.outputs[0].text)
         if output.outputs[0].finish_reason == "stop":
             check(constraint, output.outputs[0].text)
+
+
+def test_benchmark_script_runs_equal_work(byte_model):
+    """benchmarks/structured_outputs.py on the tiny model: both batches generate the same
+    number of tokens (so its ratio compares equal work) and every part is reported."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import structured_outputs as bench
+
+    result = bench.main(["--model", byte_model, "--num-requests", "4", "--output-len", "6",
+                         "--repeats", "1"])  # fmt: skip
+    assert result["tokens"] == {"free": 24, "constrained": 24}
+    assert result["num_compiles"] + result["num_cache_hits"] == 2
+    assert result["mask_fill_ms_per_step"] > 0 and result["mask_apply_ms_per_step"] > 0
+    assert result["masked_rows_per_step"] > 0
