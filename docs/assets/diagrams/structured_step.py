@@ -86,10 +86,7 @@ def capture():
         EngineConfig(max_num_batched_tokens=40, async_scheduling=False, enable_prefix_caching=False)
     )
     vocab = engine.model_config.vocab_size
-    engine.add_request("A", REQUESTS["A"][0], SamplingParams(max_tokens=16, temperature=0))
-    engine.add_request("B", REQUESTS["B"][0], SamplingParams(max_tokens=16, temperature=0,
-                                                             structured_outputs=REQUESTS["B"][1]))  # fmt: skip
-    for name in "CE":
+    for name in "ABCE":
         prompt, constraint = REQUESTS[name]
         engine.add_request(name, prompt, SamplingParams(max_tokens=16, temperature=0,
                                                         structured_outputs=constraint))  # fmt: skip
