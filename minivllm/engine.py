@@ -309,8 +309,15 @@ class LLMEngine:
         structured = self.structured_output
         if structured.waiting and (failed := self._admit_compiled()):
             return failed
-        if self.step_worker is not None and not self.beam_groups.groups and not structured.requests:
-            return self._step_async()
+        if self.step_worker is not None and not self.beam_groups.groups:
+            if not structured.requests:
+                return self._step_async()
+            if not self._logged_structured_sync:
+                logger.info(
+                    "async scheduling paused while structured-output requests are in flight: "
+                    "each one's next mask depends on the token the step before samples"
+                )
+                self._logged_structured_sync = True
         if self.in_flight is not None:
             return self._finish_in_flight()
         start = self.clock()
