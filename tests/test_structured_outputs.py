@@ -488,3 +488,52 @@ def test_benchmark_script_runs_equal_work(byte_model):
     assert result["num_compiles"] + result["num_cache_hits"] == 2
     assert result["mask_fill_ms_per_step"] > 0 and result["mask_apply_ms_per_step"] > 0
     assert result["masked_rows_per_step"] > 0
+
+
+def test_bitmask_rows_follow_the_runners_sampled_rows():
+    """Rows are numbered as the model runner samples: each sampling chunk in order, ``1 +
+    num_draft_tokens`` rows each; a chunk that samples nothing has none; a free request's
+    rows are not listed."""
+    from minivllm.scheduler_output import ScheduledChunk, SchedulerOutput
+    from minivllm.structured_output import StructuredOutputManager
+
+    tokenizer = make_byte_tokenizer()
+    manager = StructuredOutputManager(tokenizer, 272)
+    compiled = GuidanceBackend(tokenizer, 272).compile(SO(regex="[ab]+"))
+    manager.requests = {"json": compiled.new_matcher(), "late": compiled.new_matcher()}
+    a = tokenizer.convert_tokens_to_ids("a")
+    out = SchedulerOutput()
+    out.chunks = [
+        ScheduledChunk("free", [5], 3, (), sample=True),
+        ScheduledChunk("json", [a, a, a], 3, (), sample=True, num_draft_tokens=2),
+        ScheduledChunk("mid-prompt", [7, 8, 9], 0, (), sample=False),
+        ScheduledChunk("free2", [5, a], 3, (), sample=True, num_draft_tokens=1),
+        ScheduledChunk("late", [a], 3, (), sample=True),
+    ]
+    mask = manager.grammar_bitmask(out)
+    assert mask.rows == [1, 2, 3, 6] and mask.bitmask.shape == (4, bitmask_words(272))
+    assert manager.stats.num_masked_rows == 4
+    out.chunks = out.chunks[:1] + out.chunks[2:4]
+    assert manager.grammar_bitmask(out) is None
+
+
+class _BrokenBackend:
+    def __init__(self, tokenizer, vocab_size):
+        pass
+
+    def compile(self, params):
+        raise ValueError("grammar too large")
+
+
+def test_a_grammar_that_fails_to_compile_finishes_its_request_aborted(byte_model):
+    engine = LLMEngine(EngineConfig(model=byte_model, **BASE))
+    engine.structured_output.make_backend = _BrokenBackend
+    engine.add_request("bad", "x", SamplingParams(max_tokens=5, structured_outputs=SO(regex="a")))
+    engine.add_request("ok", "y", SamplingParams(max_tokens=3, temperature=0))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert finished["bad"].outputs[0].finish_reason == "abort"
+    assert finished["bad"].outputs[0].token_ids == []
+    assert len(finished["ok"].outputs[0].token_ids) == 3
+    engine.close()
