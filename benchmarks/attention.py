@@ -22,7 +22,7 @@ import torch
 from minivllm_kernels.random_batch import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, random_paged_step
 
 from minivllm.attention import get_backend
-from minivllm.simulator.hardware_probe import measure_matmul_peak, measure_read_bandwidth
+from minivllm.bench.hardware_probe import measure_matmul_peak, measure_read_bandwidth
 
 
 def work(context_lens: list[int], query_lens: list[int]) -> tuple[float, float]:

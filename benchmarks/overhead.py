@@ -71,7 +71,7 @@ from minivllm.engine import LLMEngine
 from minivllm.model_info import ModelInfo
 from minivllm.model_runner import ModelRunner
 from minivllm.models.llama import ModelConfig
-from minivllm.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput
+from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.scheduler_output import ScheduledChunk, SchedulerOutput
 from minivllm.simulator.clock import SimClock
@@ -123,9 +123,16 @@ class OverheadExecutor(SimulatedExecutor):
         )  # fmt: skip
         self.last_gpu_seconds = 0.0
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False):
+        """With ``non_block`` (async scheduling), the step runs at once, in this thread,
+        behind a done Future: the phase timers then see only their own calls."""
         self.charge_gpu_time(scheduler_output)
-        return self.model_runner.execute_model(scheduler_output)
+        output = self.model_runner.execute_model(scheduler_output)
+        if not non_block:
+            return output
+        future = Future()
+        future.set_result(output)
+        return future
 
     def charge_gpu_time(self, scheduler_output: SchedulerOutput) -> None:
         """The cost model's time for the step, on the simulated clock. Working it out is
@@ -135,16 +142,6 @@ class OverheadExecutor(SimulatedExecutor):
         ]
         self.last_gpu_seconds = step_cost(self.model, self.hardware, chunks).seconds
         self.clock.advance(self.last_gpu_seconds)
-
-
-class InlineWorker:
-    """Stands in for the engine's step worker thread: runs the step at once, in this
-    thread, so that the phase timers see only their own calls."""
-
-    def submit(self, fn, *args) -> Future:
-        future = Future()
-        future.set_result(fn(*args))
-        return future
 
 
 class PhaseTimer:
@@ -240,9 +237,6 @@ def measure(
     # The engine's front end: the model's shape, and the tokenizer only to detokenize.
     model_info = ModelInfo(executor.model_config, tokenizer, eos_token_ids=frozenset())
     engine = LLMEngine(config, executor=executor, clock=clock, model_info=model_info)
-    if async_scheduling:
-        engine.step_worker.shutdown()
-        engine.step_worker = InlineWorker()
     if freeze_gc:
         freeze_gc_heap()
     workload = Workload(engine, mode)

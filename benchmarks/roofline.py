@@ -41,12 +41,12 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.attention import AttentionMetadata, get_backend
+from minivllm.bench.hardware_probe import matmul_candidates
 from minivllm.config import EngineConfig
 from minivllm.models.linear import Linear
 from minivllm.models.llama import CausalLM, ModelConfig
 from minivllm.models.loader import load_model
 from minivllm.models.model_files import default_model_path
-from minivllm.simulator.hardware_probe import matmul_candidates
 
 BLOCK_SIZE = 16
 PREFILL_PROMPTS = (200, 180, 132)  # 512 tokens: the engine's default token budget

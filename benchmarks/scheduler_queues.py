@@ -49,7 +49,6 @@ def queue(seqs) -> list[str]:
 def trace(engine: LLMEngine, num_steps: int) -> list[StepRow]:
     """Run ``num_steps`` steps (or until done), reading the queues after each one."""
     rows = []
-    engine.step_log = []
     for step in range(num_steps):
         for rid, prompt_len, output_len, arrives in REQUESTS:
             if arrives == step:
@@ -61,7 +60,7 @@ def trace(engine: LLMEngine, num_steps: int) -> list[StepRow]:
         before = block_counts(engine)
         finished = [out.request_id for out in engine.step() if out.finished]
         after = block_counts(engine)
-        stats = engine.step_log[-1]
+        stats = engine.last_stats
         scheduled = engine.last_step.num_scheduled_tokens
         grown = sum(max(0, after.get(rid, 0) - before.get(rid, 0)) for rid in after)
         shrunk = sum(max(0, n - after.get(rid, 0)) for rid, n in before.items())

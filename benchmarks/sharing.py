@@ -51,7 +51,7 @@ if str(ROOT) not in sys.path:
 from minivllm import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from minivllm.bench.workloads import Workload  # noqa: E402
 from minivllm.config import DEFAULT_KV_CACHE_BYTES  # noqa: E402
-from minivllm.executor import num_blocks_for_bytes  # noqa: E402
+from minivllm.models.arithmetic import num_blocks_for_bytes  # noqa: E402
 from minivllm.simulator.workloads import CHAT_LENGTHS, chat_workload  # noqa: E402
 from minivllm.utils import cdiv  # noqa: E402
 
@@ -154,11 +154,10 @@ def measure(engine: LLMEngine, workload: Workload, mode: str, width: int, sharin
     used: list[int] = []
     request_peak: dict[str, int] = defaultdict(int)
     prefill = 0
-    engine.step_log = []
     start = _cpu_s()
     while engine.has_unfinished_requests():
         engine.step()
-        stats = engine.step_log[-1]
+        stats = engine.last_stats
         prefill += stats.num_prefill_tokens
         used.append(stats.num_kv_blocks_used)
         held: dict[str, set[int]] = defaultdict(set)
@@ -167,8 +166,7 @@ def measure(engine: LLMEngine, workload: Workload, mode: str, width: int, sharin
         for group, blocks in held.items():
             request_peak[group] = max(request_peak[group], len(blocks))
     cpu_s = _cpu_s() - start
-    assert engine.step_log[-1].num_preemptions_total == 0, "the pool was too small"
-    engine.step_log = None
+    assert stats.num_preemptions_total == 0, "the pool was too small"
     return Run(
         mean_blocks=sum(used) / len(used),
         peak_blocks=max(used),

@@ -134,7 +134,7 @@ def measure(args, workload: str, prompts: list[dict], max_num_seqs: int, specula
     engine = make_engine(args, max_num_seqs, speculative)
     generate(engine, prompts[:2], 4)  # warm-up: one-time costs are not billed to the run
     spec_before = copy.deepcopy(engine.spec_decoding_stats)
-    engine.step_log = []
+    engine.record_steps()
     num_requests = max(4, max_num_seqs)
     start = time.perf_counter()
     emitted: list[int] = []
@@ -143,8 +143,9 @@ def measure(args, workload: str, prompts: list[dict], max_num_seqs: int, specula
     tokens = {rid: out.outputs[0].token_ids for rid, out in outputs.items()}
     num_output = sum(len(t) for t in tokens.values())
     tpots = [o.metrics.tpot for o in outputs.values() if o.metrics.tpot is not None]
-    decode_only = [s.num_prefill_tokens == 0 for s in engine.step_log]
-    decode_steps = [s for s, d in zip(engine.step_log, decode_only) if d]
+    steps = engine.take_step_stats()
+    decode_only = [s.num_prefill_tokens == 0 for s in steps]
+    decode_steps = [s for s, d in zip(steps, decode_only) if d]
     decode_time = sum(s.end_time - s.start_time for s in decode_steps)
     decode_tokens = sum(n for n, d in zip(emitted, decode_only) if d)
     run = Run(

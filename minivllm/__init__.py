@@ -1,7 +1,6 @@
 """minivllm: vLLM's engine core (continuous batching over a paged KV cache), small enough
 to read in an afternoon."""
 
-from minivllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.llm import LLM
@@ -14,6 +13,17 @@ from minivllm.sampling_params import (
 )
 
 EngineArgs = EngineConfig  # vLLM's name for the same thing
+
+
+def __getattr__(name: str):
+    """Beam search's output types, loaded when first asked for: importing the package
+    loads the engine core alone (beam search is a feature: request_groups.py)."""
+    if name in ("BeamSearchOutput", "BeamSearchSequence"):
+        from minivllm import beam_search
+
+        return getattr(beam_search, name)
+    raise AttributeError(f"module 'minivllm' has no attribute {name!r}")
+
 
 __all__ = [
     "LLM",

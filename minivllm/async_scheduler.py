@@ -5,14 +5,17 @@ So the bookkeeping runs one step ahead. ``num_computed_tokens`` advances when a 
 *scheduled*, not after it ran, and a chunk that samples leaves its request one
 *placeholder*: a token that exists but has no id yet (``num_output_placeholders``). The
 next step can then schedule that request's decode at once; its input token is the
-placeholder, which the model runner replaces with its own last sample before the step
-runs. `update_from_output` only retires the placeholder: the output processor appends the
-real token as usual. A request that stops on step N's token has been scheduled in step
-N+1 already; the engine throws that step's token away (vLLM does the same).
+placeholder, which the model runner replaces, in its own copy of the chunk, with its own
+last sample before the step runs. `update_from_output` only retires the placeholder: the
+output processor appends the real token as usual. A request that stops on step N's token
+has been scheduled in step N+1 already; the engine throws that step's token away (vLLM
+does the same).
 
-It is on by default wherever it is supported, as in vLLM: `EngineConfig.use_async_scheduling`
-decides, and `async_scheduling_unsupported` says why not (the static policy, speculative
-decoding, tensor parallelism, the numba-cuda backend). What it hides of the engine's CPU
+It is on by default where it overlaps real work, on a CUDA device, and off on a CPU:
+`EngineConfig.use_async_scheduling` decides, and `async_scheduling_unsupported` says where
+it cannot run (the static policy, speculative decoding, tensor parallelism, the
+numba-cuda backend). The step runs behind on the executor's step thread
+(``execute_model(..., non_block=True)``, executor.py). What it hides of the engine's CPU
 time per step is measured in docs/tutorial/what-a-gpu-would-do.md, "The engine's own time
 per step".
 """

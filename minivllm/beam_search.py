@@ -25,7 +25,8 @@ writes into the shared partial last block (copy-on-write, kv_cache_manager.py).
 Where each part lives, and why. The group is on the *output* side: it reads a step's
 results and decides, as the output processor decides stops for other requests, so a
 beam's sampled token is never appended; the group appends the token it chose instead.
-The engine wires the decision through (`LLMEngine._advance_beam_search`): dropped beams
+`BeamSearchGroups` wires the decision through (`after_step`, called by the engine through
+the request-group protocol, request_groups.py): dropped beams
 finish like any stopped request (their blocks go back), and each fork goes to the
 scheduler (`Scheduler.fork_request`), which asks the KV cache manager to share the
 blocks. Copies are decided only when a beam is scheduled to write, by the manager, and
@@ -48,9 +49,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
-from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from minivllm.sequence import Sequence
+from minivllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    ModelRunnerOutput,
+    RequestOutput,
+    SampleLogprobs,
+)
+from minivllm.sampling_params import (
+    MAX_LOGPROBS,
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+)
+from minivllm.sequence import FinishReason, Sequence
+from minivllm.stats import TokenCounts
 
 
 @dataclass
@@ -313,9 +326,13 @@ def to_beam_search_output(output: RequestOutput) -> BeamSearchOutput:
 
 
 class BeamSearchGroups:
-    """The beam-search requests in flight, by request id and by beam id."""
+    """The beam-search requests in flight, by request id and by beam id: the request
+    groups of this kind for one engine (request_groups.py)."""
 
-    def __init__(self) -> None:
+    to_beam_search_output = staticmethod(to_beam_search_output)
+
+    def __init__(self, engine=None) -> None:
+        self.engine = engine
         self.groups: dict[str, BeamSearchGroup] = {}
         self.group_of: dict[str, BeamSearchGroup] = {}  # beam id -> its request's group
 
@@ -338,3 +355,80 @@ class BeamSearchGroups:
             del self.group_of[seq.request_id]
         for _, child in step.forks:
             self.group_of[child.request_id] = group
+
+    def add_request(self, request_id: str, prompt, params: BeamSearchParams, arrival_time) -> None:
+        """Queue a beam-search request in the engine: its first beam, the prompt. Bad input
+        raises ValueError here; nothing is queued then."""
+        engine = self.engine
+        config, eos_token_ids = engine.config, engine.model_info.eos_token_ids
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if config.scheduling_policy != "continuous":
+            raise ValueError("beam search needs the continuous scheduling policy")
+        if params.beam_width > config.max_num_seqs:
+            raise ValueError(
+                f"beam_width={params.beam_width} is more than "
+                f"max_num_seqs={config.max_num_seqs}: the beams run side by side"
+            )
+        num_logprobs = beams_to_keep(params.beam_width, len(eos_token_ids))
+        if num_logprobs > MAX_LOGPROBS:
+            raise ValueError(
+                f"beam_width={params.beam_width} asks each beam for {num_logprobs} logprobs "
+                f"with this model's {len(eos_token_ids)} EOS ids, more than {MAX_LOGPROBS}"
+            )
+        engine.check_new_request_id(request_id)
+        first_id = beam_request_id(request_id, 0)
+        if first_id in engine.scheduler.requests:
+            raise ValueError(f"a beam id of request {request_id!r} is already in flight")
+        arrival_time = engine.clock() if arrival_time is None else arrival_time
+        sampling_params = BeamSearchGroup.sampling_params(params, len(eos_token_ids))
+        seq = engine.input_processor.process(first_id, prompt, sampling_params, arrival_time)
+        # Beams share blocks through forks; a preempted one finds its shared full blocks
+        # again by their hashes (unless sharing is off: then nothing is shared).
+        seq.shares_prompt = config.share_forked_blocks
+        max_tokens = min(params.max_tokens, max(1, engine.max_model_len - seq.num_prompt_tokens))
+        self.add(BeamSearchGroup(request_id, params, seq, eos_token_ids, max_tokens))
+        engine.scheduler.add_request(seq)
+
+    def consume(self, seq: Sequence, runner_output: ModelRunnerOutput, counts: TokenCounts) -> bool:
+        """A beam's row goes to its group, which decides; its sampled token is not used."""
+        group = self.group_of.get(seq.request_id)
+        if group is None:
+            return False
+        rows = runner_output.logprobs.get(seq.request_id)
+        if rows and group.record(seq, rows[0]):
+            # One token generated for this beam (vLLM counts each beam's step as a
+            # one-token request); the first row ends the prompt's prefill.
+            counts.num_generation_tokens += 1
+            if seq.num_output_tokens == 0:
+                counts.num_prompt_tokens += seq.num_prompt_tokens
+        return True
+
+    def after_step(self, outputs: list[RequestOutput], now: float) -> list[RequestOutput]:
+        """Each request whose beams have all reported picks its next beams; the scheduler
+        finishes the dropped ones and makes the forks. The searches that are over report."""
+        scheduler = self.engine.scheduler
+        for group in [g for g in self.groups.values() if g.ready]:
+            step = group.step(now)
+            self.update_beams(group, step)
+            if step.dropped:  # pruned: nobody reports them
+                scheduler.finish_requests([s.request_id for s in step.dropped], FinishReason.ABORT)
+            for parent, child in step.forks:
+                scheduler.fork_request(parent, child)
+            if group.finished:
+                self.pop(group.request_id)
+                outputs = outputs + [group.make_output(self.engine.model_info.tokenizer)]
+        return outputs
+
+    def abort(self, request_id: str) -> bool | None:
+        """Abort a search: every live beam. A beam's own id is not a request (False)."""
+        group = self.pop(request_id)
+        if group is not None:
+            self.engine.scheduler.finish_requests(group.beam_ids, FinishReason.ABORT)
+            return True
+        return False if request_id in self.group_of else None
+
+    @property
+    def in_lockstep(self) -> bool:
+        """Beams are chosen from a step's logprobs: the next step waits for them."""
+        return bool(self.groups)

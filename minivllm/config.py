@@ -5,11 +5,16 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from minivllm.attention import AttentionBackend, get_backend
 from minivllm.sampling_params import SEED_RANGE
 from minivllm.utils import as_int
+
+if TYPE_CHECKING:
+    from minivllm.models.llama import ModelConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -85,8 +90,8 @@ class EngineConfig:
     the cache from ``kv_cache_memory_bytes``; ``max_model_len=None`` takes the model's
     limit, capped by what the cache can hold. ``enable_prefix_caching=None`` means vLLM
     v1's default: on, unless the scheduling policy is static (which has no paged cache to
-    share blocks in). ``async_scheduling=None`` likewise means vLLM's default: on wherever
-    it is supported (`use_async_scheduling`).
+    share blocks in). ``async_scheduling=None`` means on where it overlaps real work, a CUDA
+    device, and off on a CPU (`use_async_scheduling`).
 
     A field's ``help`` is its documentation; the command line turns every field into a
     ``--flag`` (``minivllm/entrypoints/cli_args.py``), so this module knows nothing of it.
@@ -158,9 +163,9 @@ class EngineConfig:
         default=None,
         metadata={
             "help": "schedule step N+1 while step N runs, its decodes' input tokens filled in "
-            "from step N's samples (vLLM's async scheduling; default: on wherever it is "
-            "supported: continuous policy, no speculative decoding, one process, not "
-            "numba-cuda)"
+            "from step N's samples (vLLM's async scheduling; default: on a CUDA device "
+            "wherever it is supported: continuous policy, no speculative decoding, one "
+            "process, not numba-cuda; off on a CPU, where there is nothing to overlap)"
         },
     )
 
@@ -221,8 +226,8 @@ class EngineConfig:
             )
 
     def _check_async_scheduling(self) -> None:
-        """``async_scheduling=None`` (the default) means: on wherever it is supported, as in
-        vLLM; `use_async_scheduling` says what the engine does. Asked for explicitly where it
+        """``async_scheduling=None`` (the default) means: on a CUDA device wherever it is
+        supported; `use_async_scheduling` says what the engine does. Asked for explicitly where it
         is not supported, it is refused here, with the reason."""
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(
@@ -253,14 +258,39 @@ class EngineConfig:
         return None
 
     @property
+    def async_scheduling_off(self) -> str | None:
+        """Why the engine does not schedule asynchronously when ``async_scheduling`` is
+        left None, or None where it does. Overlap pays where the model runs on a device
+        and the CPU is free to schedule meanwhile: on CUDA. On a CPU the model's work *is*
+        the CPU's work (docs/tutorial/what-a-gpu-would-do.md measured no gain), so the
+        default is the synchronous loop the chapters teach."""
+        reason = self.async_scheduling_unsupported
+        if reason is None and self.torch_device.type != "cuda":
+            reason = f"the model runs on {self.torch_device.type}: nothing to overlap with"
+        return reason
+
+    @property
     def use_async_scheduling(self) -> bool:
-        """Whether the engine schedules asynchronously: as asked, or by default wherever it
-        is supported (the one place that decides; `async_scheduling_unsupported` says why
-        not). The field keeps what was asked, so that a copy with another policy decides
-        again."""
+        """Whether the engine schedules asynchronously: as asked, or by default on a CUDA
+        device wherever it is supported (the one place that decides; `async_scheduling_off`
+        says why not). The field keeps what was asked, so that a copy with another policy
+        decides again."""
         if self.async_scheduling is None:
-            return self.async_scheduling_unsupported is None
+            return self.async_scheduling_off is None
         return self.async_scheduling
+
+    @property
+    def scheduler_cls(self) -> str:
+        """The scheduling policy's class, by qualified name (vLLM's
+        ``SchedulerConfig.get_scheduler_cls``): the engine loads it, so the core imports
+        no policy but the plain one."""
+        if self.scheduling_policy == "static":  # for comparison only: static_scheduler.py
+            return "minivllm.static_scheduler.StaticBatchScheduler"
+        if self.speculative_config is not None:
+            return "minivllm.spec_decode.scheduler.SpecDecodeScheduler"
+        if self.use_async_scheduling:
+            return "minivllm.async_scheduler.AsyncScheduler"
+        return "minivllm.scheduler.Scheduler"
 
     def _check_devices_for_ranks(self) -> None:
         """On CUDA each tensor-parallel rank takes its own GPU, cuda:0 to cuda:tp-1."""
@@ -295,8 +325,6 @@ class EngineConfig:
         # On a GPU bf16, like vLLM, unless the chosen backend only runs fp16/fp32.
         if self.attention_backend in ("auto", "torch"):
             return torch.bfloat16
-        from minivllm.attention import get_backend
-
         supported = get_backend(self.attention_backend).supported_dtypes
         preferred = (torch.bfloat16, torch.float16, torch.float32)
         return next((d for d in preferred if d in supported), torch.bfloat16)
@@ -316,3 +344,35 @@ class EngineConfig:
 
 def _is_positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def checked_backend(config: EngineConfig) -> type[AttentionBackend]:
+    """The attention backend class ``config`` names, refused if it cannot run there."""
+    backend_cls = get_backend(config.attention_backend_name)
+    backend_cls.check_supported(config.torch_dtype, config.torch_device)
+    if config.speculative_config is not None and not backend_cls.supports_multi_token_decode:
+        raise ValueError(
+            f"attention backend {backend_cls.name!r} cannot take multi-token decode "
+            "queries, which speculative decoding needs; choose another backend"
+        )
+    return backend_cls
+
+
+def resolve_max_model_len(
+    config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int
+) -> int:
+    """``config.max_model_len``, or by default the model's limit capped by what the
+    cache holds; refused if it exceeds either."""
+    capacity = num_kv_blocks * config.block_size
+    limit = model_config.max_position_embeddings
+    max_model_len = config.max_model_len or min(limit, capacity)
+    if max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's limit of {limit} positions"
+        )
+    if max_model_len > capacity:
+        raise ValueError(
+            f"max_model_len={max_model_len} does not fit in the KV cache: num_kv_blocks="
+            f"{num_kv_blocks} x block_size={config.block_size} = {capacity} tokens"
+        )
+    return max_model_len

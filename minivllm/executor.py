@@ -1,29 +1,28 @@
 """The executor: everything that runs the model, behind one method (vLLM's ``Executor``).
 
-The engine hands it a `SchedulerOutput` and gets back the sampled tokens. Behind that
-seam sit model loading, the attention backend, the KV cache's size and the `ModelRunner`,
-in this process (`UniProcExecutor`) or split across worker processes
-(`MultiprocExecutor`, tensor parallelism). The tokenizer and EOS ids are the engine's
-(input and output processing): an executor only executes. Anything with the same
-attributes, ``execute_model`` and ``shutdown`` can stand in: a fake executor in the
-tests, a cost-model executor in the simulator.
+The engine hands it a `SchedulerOutput` and gets back the sampled tokens, or with
+``non_block=True`` a Future of them, computed on a step thread while the engine schedules
+the next step (async scheduling). Behind that seam sit model loading, the attention
+backend, the KV cache's size and the `ModelRunner`, in this process (`UniProcExecutor`)
+or split across worker processes (multiproc_executor.py). An executor only executes: a
+fake one stands in in the tests, a cost-model one in the simulator.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
 
-from minivllm.attention import AttentionBackend, get_backend
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, checked_backend, resolve_max_model_len
 from minivllm.model_runner import ModelRunner
-from minivllm.models import arithmetic
-from minivllm.models.llama import ModelConfig
+from minivllm.models.arithmetic import num_blocks_for_bytes
 from minivllm.models.loader import load_model
 from minivllm.models.model_files import resolve_model_path
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import SchedulerOutput
+from minivllm.utils import resolve_obj_by_qualname
 
 
 class Executor(Protocol):
@@ -31,22 +30,25 @@ class Executor(Protocol):
     max_model_len: int  # longest request (prompt + output) it accepts
     device: torch.device  # where per-request sampling generators live
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: compute every scheduled chunk, sample where asked."""
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Run one step: compute every scheduled chunk, sample where asked. With
+        ``non_block``, return at once a Future of that (only async scheduling asks)."""
 
     def shutdown(self) -> None:
-        """Release what it holds (worker processes); later steps are refused."""
+        """Release what it holds (threads, worker processes); later steps are refused."""
 
 
 def make_executor(config: EngineConfig, eos_token_ids: frozenset[int]) -> Executor:
     """The model in this process, or split across ``tensor_parallel_size`` worker
-    processes (vLLM's ``Executor.get_class``). ``eos_token_ids``: what the sampler masks
-    before a request's ``min_tokens``."""
+    processes (vLLM's ``Executor.get_class``, by qualified name: the core imports no
+    multi-process machinery). ``eos_token_ids``: what the sampler masks before a
+    request's ``min_tokens``."""
     if config.tensor_parallel_size == 1:
         return UniProcExecutor(config, eos_token_ids)
-    from minivllm.multiproc_executor import MultiprocExecutor
-
-    return MultiprocExecutor(config, eos_token_ids)
+    executor_cls = resolve_obj_by_qualname("minivllm.multiproc_executor.MultiprocExecutor")
+    return executor_cls(config, eos_token_ids)
 
 
 class UniProcExecutor:
@@ -67,58 +69,17 @@ class UniProcExecutor:
             self.model, self.num_kv_blocks, config.block_size, dtype, self.device,
             eos_token_ids,
         )  # fmt: skip
+        self.step_thread: ThreadPoolExecutor | None = None  # made by the first non_block
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if not non_block:
+            return self.model_runner.execute_model(scheduler_output)
+        if self.step_thread is None:  # one thread: steps run in the order they come
+            self.step_thread = ThreadPoolExecutor(1, thread_name_prefix="minivllm-step")
+        return self.step_thread.submit(self.model_runner.execute_model, scheduler_output)
 
     def shutdown(self) -> None:
-        pass  # nothing outside this process to release
-
-
-def checked_backend(config: EngineConfig) -> type[AttentionBackend]:
-    """The attention backend class ``config`` names, refused if it cannot run there."""
-    backend_cls = get_backend(config.attention_backend_name)
-    backend_cls.check_supported(config.torch_dtype, config.torch_device)
-    if config.speculative_config is not None and not backend_cls.supports_multi_token_decode:
-        raise ValueError(
-            f"attention backend {backend_cls.name!r} cannot take multi-token decode "
-            "queries, which speculative decoding needs; choose another backend"
-        )
-    return backend_cls
-
-
-def num_blocks_for_bytes(
-    model_config: ModelConfig,
-    block_size: int,
-    dtype: torch.dtype,
-    num_bytes: int,
-    tensor_parallel_size: int = 1,
-) -> int:
-    """How many KV blocks ``num_bytes`` of memory hold: a block stores a key and a value
-    vector per layer, KV head and token slot (`arithmetic.kv_bytes_per_token`); split
-    across tensor-parallel ranks, only the rank's own KV heads."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    bytes_per_block = block_size * arithmetic.kv_bytes_per_token(
-        model_config, element_size, tensor_parallel_size
-    )
-    return max(1, num_bytes // bytes_per_block)
-
-
-def resolve_max_model_len(
-    config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int
-) -> int:
-    """``config.max_model_len``, or by default the model's limit capped by what the
-    cache holds; refused if it exceeds either."""
-    capacity = num_kv_blocks * config.block_size
-    limit = model_config.max_position_embeddings
-    max_model_len = config.max_model_len or min(limit, capacity)
-    if max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's limit of {limit} positions"
-        )
-    if max_model_len > capacity:
-        raise ValueError(
-            f"max_model_len={max_model_len} does not fit in the KV cache: num_kv_blocks="
-            f"{num_kv_blocks} x block_size={config.block_size} = {capacity} tokens"
-        )
-    return max_model_len
+        if self.step_thread is not None:
+            self.step_thread.shutdown()

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from tqdm import tqdm  # plain text bar: works in terminals and notebooks alike
 
-from minivllm.beam_search import BeamSearchOutput, to_beam_search_output
 from minivllm.chat import chat_prompt
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.input_processor import Prompt
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:  # beam search is a request group, loaded when used (request_groups.py)
+    from minivllm.beam_search import BeamSearchOutput
 
 
 class LLM:
@@ -104,7 +108,8 @@ class LLM:
         except Exception:
             engine.abort_request(request_ids)
             raise
-        return [to_beam_search_output(o) for o in self._run_engine(request_ids, use_tqdm)]
+        convert = engine.request_groups["beam_search"].to_beam_search_output
+        return [convert(o) for o in self._run_engine(request_ids, use_tqdm)]
 
     def chat(
         self,

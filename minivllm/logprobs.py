@@ -7,9 +7,14 @@ request's sampling settings drew from. Only rows of requests that asked are comp
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from minivllm.outputs import Logprob, SampleLogprobs
+
+if TYPE_CHECKING:
+    from minivllm.scheduler_output import ScheduledChunk
 
 
 def compute_logprobs(
@@ -35,3 +40,38 @@ def compute_logprobs(
                 row.setdefault(top_token, Logprob(top_logprob, top_rank))
         rows.append(row)
     return rows
+
+
+def sample_logprobs(
+    logits: torch.Tensor, chunks: list[ScheduledChunk], sampled: dict[str, list[int]]
+) -> dict[str, SampleLogprobs]:
+    """Row ``i`` of ``logits`` sampled chunk ``i``'s token: for each chunk that asked, that
+    token's logprob and the top ones."""
+    asking = [i for i, c in enumerate(chunks) if c.sampling_params.logprobs is not None]
+    if not asking:
+        return {}
+    ids = [chunks[i].request_id for i in asking]
+    rows = compute_logprobs(
+        logits[asking],
+        [sampled[r][0] for r in ids],
+        [chunks[i].sampling_params.logprobs for i in asking],
+    )
+    return {r: [row] for r, row in zip(ids, rows)}
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, chunks: list[ScheduledChunk]
+) -> dict[str, tuple[int, SampleLogprobs]]:
+    """logits: the prompt rows of ``chunks``, back to back. Each chunk's request gets the
+    index of the first prompt token its rows predict, and their dicts."""
+    targets = [t for c in chunks for t in c.prompt_logprob_token_ids]
+    num_top = [
+        c.sampling_params.prompt_logprobs for c in chunks for _ in c.prompt_logprob_token_ids
+    ]
+    rows = compute_logprobs(logits, targets, num_top)
+    result, first = {}, 0
+    for c in chunks:
+        num = len(c.prompt_logprob_token_ids)
+        result[c.request_id] = (c.start_position + 1, rows[first : first + num])
+        first += num
+    return result

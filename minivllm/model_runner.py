@@ -5,30 +5,31 @@ positions for all scheduled tokens back to back, the cache slot each new token's
 to, and the attention metadata (query/context lengths, block tables). It samples only at
 each chunk's last row, and only for chunks the scheduler marked to sample (a prefill
 chunk in the middle of a prompt has nothing to say); a decode with draft tokens also at
-every draft row, to verify the drafts. A request that asked for ``prompt_logprobs`` gets
-logits at its prompt rows too (logprobs.py); nobody else pays for them. It reads nothing
-but the chunks, and the blocks to copy first (copy-on-write, kv_cache_manager.py): why a
-chunk or a copy is there is the scheduler's business.
+every draft row, verified by speculative decoding (spec_decode/rejection_sampler.py). A
+request that asked for ``prompt_logprobs`` gets logits at its prompt rows too
+(logprobs.py); nobody else pays for them. It reads nothing but the chunks, and the blocks
+to copy first (copy-on-write, kv_cache_manager.py), and writes into neither: why a chunk
+or a copy is there is the scheduler's business.
 
 The inputs are built by a persistent `InputBatch` (input_batch.py) that keeps the block
-tables from step to step: at hundreds of requests, rebuilding them every step cost more
-CPU time than the rest of the runner (docs/tutorial/what-a-gpu-would-do.md, "The engine's
-own time per step").
+tables from step to step (docs/tutorial/what-a-gpu-would-do.md measured why).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from minivllm.attention import AttentionMetadata
 from minivllm.input_batch import InputBatch
-from minivllm.logprobs import compute_logprobs
+from minivllm.logprobs import prompt_logprobs, sample_logprobs
 from minivllm.models.arithmetic import kv_heads_per_rank
 from minivllm.models.llama import CausalLM
-from minivllm.outputs import ModelRunnerOutput, SampleLogprobs
+from minivllm.outputs import ModelRunnerOutput
 from minivllm.sampler import Sampler, apply_grammar_bitmask
 from minivllm.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledChunk, SchedulerOutput
-from minivllm.spec_decode import RejectionSampler
+from minivllm.utils import resolve_obj_by_qualname
 
 
 class ModelRunner:
@@ -47,11 +48,9 @@ class ModelRunner:
         self.device = device
         config = model.config
         # The whole KV cache, allocated once: [layer][key or value][block][slot][kv_head][dim].
-        # Requests own blocks of it through their block tables; nothing here ever moves.
-        # Split across tensor-parallel ranks, each holds only its own KV heads, under the
-        # same block tables and slots.
-        # torch.empty: a slot is always written before it is read (nothing reads past
-        # context_len), and zero-filling a GiB costs seconds on a small machine.
+        # Requests own blocks of it through their block tables; nothing here ever moves (a
+        # tensor-parallel rank holds its own KV heads). Empty: a slot is written before it
+        # is read, and zero-filling a GiB costs seconds on a small machine.
         self.kv_caches = torch.empty(
             config.num_layers, 2, num_kv_blocks, block_size,
             kv_heads_per_rank(config.num_kv_heads, tensor_parallel_size), config.head_dim,
@@ -59,7 +58,6 @@ class ModelRunner:
         )  # fmt: skip
         self.input_batch = InputBatch(block_size, device)  # kept from step to step
         self.sampler = Sampler(eos_token_ids)  # masks EOS before min_tokens
-        self.rejection_sampler = RejectionSampler()
         # Async scheduling: the last step's sampled token per request, the input of a
         # decode scheduled before that token was known (async_scheduler.py).
         self.prev_sampled_token_ids: dict[str, int] = {}
@@ -67,9 +65,8 @@ class ModelRunner:
     def prepare_inputs(
         self, scheduler_output: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """input_ids ``[num_tokens]``, positions ``[num_tokens]`` and the step's metadata,
-        from the persistent batch (input_batch.py): only what changed since last step is
-        rewritten."""
+        """input_ids, positions and the step's metadata, from the persistent batch: only
+        what changed since last step is rewritten."""
         return self.input_batch.prepare(scheduler_output)
 
     @torch.inference_mode()
@@ -78,7 +75,6 @@ class ModelRunner:
         with draft tokens, the accepted drafts and one more; and the logprobs of requests
         that asked."""
         self.copy_blocks(scheduler_output.blocks_to_copy)
-        self.fill_placeholders(scheduler_output)
         output = self._execute_model(scheduler_output)
         self.prev_sampled_token_ids = {r: t[-1] for r, t in output.sampled_token_ids.items()}
         return output
@@ -92,31 +88,37 @@ class ModelRunner:
         src, dst = zip(*blocks_to_copy)
         self.kv_caches[:, :, list(dst)] = self.kv_caches[:, :, list(src)]
 
-    def fill_placeholders(self, scheduler_output: SchedulerOutput) -> None:
-        """Async scheduling: a decode scheduled while the step before was running has that
-        step's sample as its input; the runner has it (on a GPU it would stay on the device)."""
-        for chunk in scheduler_output.chunks:
-            if chunk.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
-                continue
-            assert len(chunk.token_ids) == 1, "only a decode's one input can be a placeholder"
-            token_id = self.prev_sampled_token_ids[chunk.request_id]
-            chunk.token_ids = [token_id]
-            if chunk.sampling_params.has_penalties:  # the sampler counts the outputs so far
-                chunk.output_token_ids = chunk.output_token_ids + [token_id]
+    def _fill_placeholders(
+        self, chunks: list[ScheduledChunk], input_ids: torch.Tensor
+    ) -> list[ScheduledChunk]:
+        """Async scheduling: a decode scheduled while the step before ran has that step's
+        sample as its one input; the runner kept it and writes it into the input ids. The
+        record stays the scheduler's: for penalties the sampler gets a copy of the chunk."""
+        filled = [c.request_id for c in chunks if c.token_ids[-1] == PLACEHOLDER_TOKEN_ID]
+        if not filled:
+            return chunks
+        token_of = {r: self.prev_sampled_token_ids[r] for r in filled}  # in the rows' order
+        input_ids[input_ids == PLACEHOLDER_TOKEN_ID] = input_ids.new_tensor(list(token_of.values()))
+        return [  # penalties count the outputs so far, the filled token included
+            replace(c, output_token_ids=c.output_token_ids + [token_of[c.request_id]])
+            if c.request_id in token_of and c.sampling_params.has_penalties
+            else c
+            for c in chunks
+        ]
 
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, positions, metadata = self.prepare_inputs(scheduler_output)
+        chunks = self._fill_placeholders(scheduler_output.chunks, input_ids)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
 
         # A chunk that samples needs logits at its last row, and with d drafts at its last
         # 1 + d rows (row j verifies draft j; the last row gives the bonus token).
         ends = metadata.cu_seqlens_q[1:].tolist()
-        sampling = [(c, end) for c, end in zip(scheduler_output.chunks, ends) if c.sample]
-        # A request asking for prompt logprobs needs logits at every prompt row too; they
-        # come after the sampled rows.
+        sampling = [(c, end) for c, end in zip(chunks, ends) if c.sample]
+        # A request asking for prompt logprobs needs logits at its prompt rows too (after).
         prompt_chunks = [
             (c, end - len(c.token_ids))
-            for c, end in zip(scheduler_output.chunks, ends)
+            for c, end in zip(chunks, ends)
             if c.prompt_logprob_token_ids
         ]
         if not sampling and not prompt_chunks:
@@ -136,75 +138,20 @@ class ModelRunner:
             logits = apply_grammar_bitmask(logits, mask.rows, mask.bitmask)
         output = self._sample(logits[:num_sampled_rows], [c for c, _ in sampling])
         if prompt_chunks:
-            output.prompt_logprobs = self._prompt_logprobs(
+            output.prompt_logprobs = prompt_logprobs(
                 logits[num_sampled_rows:], [c for c, _ in prompt_chunks]
             )
         return output
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
         """logits: the sampled rows, chunk after chunk (``1 + num_draft_tokens`` each)."""
-        if not chunks:
-            return ModelRunnerOutput()
-        if len(logits) == len(chunks):  # the usual step, no drafts: row i is chunk i's
-            tokens = self.sampler(logits, chunks)
-            output = ModelRunnerOutput({c.request_id: [t] for c, t in zip(chunks, tokens)})
-            self._add_sample_logprobs(output, logits, chunks)
-            return output
-
-        plain, verified, first_row = [], {}, 0
-        for chunk in chunks:
-            num_rows = 1 + chunk.num_draft_tokens
-            if chunk.num_draft_tokens:
-                verified[chunk.request_id] = self.rejection_sampler(
-                    logits[first_row : first_row + num_rows],
-                    chunk.draft_token_ids,
-                    chunk.sampling_params,
-                    chunk.generator,
-                )
-            else:
-                plain.append((chunk, first_row))
-            first_row += num_rows
-        sampled, plain_logits = {}, None
-        if plain:
-            plain_chunks, plain_rows = zip(*plain)
-            plain_chunks, plain_logits = list(plain_chunks), logits[list(plain_rows)]
-            tokens = self.sampler(plain_logits, plain_chunks)
-            sampled = {c.request_id: [t] for c, t in zip(plain_chunks, tokens)}
-        output = ModelRunnerOutput(sampled | verified)
-        if plain:  # a request asking for logprobs gets no drafts (scheduler.py)
-            self._add_sample_logprobs(output, plain_logits, plain_chunks)
+        if len(logits) != len(chunks):  # drafts to verify: speculative decoding's sampling
+            verify = resolve_obj_by_qualname(_SAMPLE_WITH_DRAFTS)
+            return verify(logits, chunks, self.sampler)
+        tokens = self.sampler(logits, chunks) if chunks else []
+        output = ModelRunnerOutput({c.request_id: [t] for c, t in zip(chunks, tokens)})
+        output.logprobs = sample_logprobs(logits, chunks, output.sampled_token_ids)
         return output
 
-    @staticmethod
-    def _add_sample_logprobs(
-        output: ModelRunnerOutput, logits: torch.Tensor, chunks: list[ScheduledChunk]
-    ) -> None:
-        """The sampled token's logprob and the top ones, for the rows that asked."""
-        asking = [i for i, c in enumerate(chunks) if c.sampling_params.logprobs is not None]
-        if not asking:
-            return
-        ids = [chunks[i].request_id for i in asking]
-        rows = compute_logprobs(
-            logits[asking],
-            [output.sampled_token_ids[r][0] for r in ids],
-            [chunks[i].sampling_params.logprobs for i in asking],
-        )
-        output.logprobs = {r: [row] for r, row in zip(ids, rows)}
 
-    @staticmethod
-    def _prompt_logprobs(
-        logits: torch.Tensor, chunks: list[ScheduledChunk]
-    ) -> dict[str, tuple[int, SampleLogprobs]]:
-        """logits: the prompt rows of ``chunks``, back to back. Each chunk's request gets
-        the index of the first prompt token its rows predict, and their dicts."""
-        targets = [t for c in chunks for t in c.prompt_logprob_token_ids]
-        num_top = [
-            c.sampling_params.prompt_logprobs for c in chunks for _ in c.prompt_logprob_token_ids
-        ]
-        rows = compute_logprobs(logits, targets, num_top)
-        result, first = {}, 0
-        for c in chunks:
-            num = len(c.prompt_logprob_token_ids)
-            result[c.request_id] = (c.start_position + 1, rows[first : first + num])
-            first += num
-        return result
+_SAMPLE_WITH_DRAFTS = "minivllm.spec_decode.rejection_sampler.sample_with_drafts"

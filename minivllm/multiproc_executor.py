@@ -27,9 +27,8 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
-from minivllm.config import EngineConfig
-from minivllm.executor import checked_backend, num_blocks_for_bytes, resolve_max_model_len
-from minivllm.models.arithmetic import check_tensor_parallel
+from minivllm.config import EngineConfig, checked_backend, resolve_max_model_len
+from minivllm.models.arithmetic import check_tensor_parallel, num_blocks_for_bytes
 from minivllm.models.llama import ModelConfig
 from minivllm.models.loader import load_model_config
 from minivllm.models.model_files import resolve_model_path
@@ -93,7 +92,10 @@ class MultiprocExecutor:
         self._finalizer = weakref.finalize(self, stop_workers, self.workers)
         self._receive(STARTUP_TIMEOUT_S, "starting")  # every worker says READY
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput:
+        assert not non_block, "async scheduling needs tensor_parallel_size=1 (config.py)"
         if not self._finalizer.alive:
             raise RuntimeError("the executor's workers are stopped; start a new engine")
         start = time.perf_counter()

@@ -23,6 +23,7 @@ from minivllm.outputs import (
 )
 from minivllm.sampling_params import RequestOutputKind
 from minivllm.sequence import FinishReason, Sequence
+from minivllm.stats import TokenCounts
 
 
 @dataclass
@@ -62,6 +63,19 @@ class OutputProcessor:
         self.stop_token_ids.pop(request_id, None)
         self.logprobs.pop(request_id, None)
         self.prompt_logprobs.pop(request_id, None)
+
+    def process(
+        self, seq: Sequence, runner_output: ModelRunnerOutput, now: float, counts: TokenCounts
+    ) -> StopDecision | None:
+        """``seq``'s part of a step's output: its logprobs, then its new tokens up to the
+        first stop. ``counts`` learns how many tokens it kept."""
+        if runner_output.logprobs or runner_output.prompt_logprobs:
+            self.record_logprobs(seq, runner_output)
+        num_before = seq.num_output_tokens
+        new_tokens = runner_output.sampled_token_ids.get(seq.request_id, ())
+        stop = self.append_tokens(seq, new_tokens, now)
+        counts.add(seq, seq.num_output_tokens - num_before)
+        return stop
 
     def record_logprobs(self, seq: Sequence, runner_output: ModelRunnerOutput) -> None:
         """Keep this step's logprobs of ``seq``, if it asked, with each token's text. A

@@ -1,11 +1,12 @@
 """Parallel sampling: ``n`` samples of one prompt (vLLM v1's ``ParentRequest``).
 
-A request with ``SamplingParams(n=k)`` is not one sequence. The engine fans it out into
+A request with ``SamplingParams(n=k)`` is not one sequence. `ParentRequests` fans it out into
 ``k`` child requests, each an ordinary ``n = 1`` sequence with its own random generator
 (``seed + i`` for child ``i`` when a seed is given, so child ``i`` samples exactly what a
 lone request with that seed would), and gathers their outputs back into one
 `RequestOutput` whose ``outputs[i]`` is child ``i``'s. The scheduler never hears of
-parents: children are admitted, preempted and finished like any other request.
+parents: children are admitted, preempted and finished like any other request. The
+engine reaches this module only through the request-group protocol (request_groups.py).
 
 The children share the prompt's KV blocks through the prefix cache: the scheduler
 registers a block's hash as soon as a step that computes it is scheduled, so a sibling
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.sequence import Sequence
+from minivllm.stats import TokenCounts
 
 
 def child_request_id(parent_id: str, index: int) -> str:
@@ -83,14 +86,54 @@ class ParentRequest:
 
 
 class ParentRequests:
-    """The ``n > 1`` requests in flight, by parent id and by child id."""
+    """The ``n > 1`` requests in flight, by parent id and by child id: the request groups
+    of this kind for one engine (request_groups.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine=None) -> None:
+        self.engine = engine
         self.parents: dict[str, ParentRequest] = {}
         self.parent_of: dict[str, ParentRequest] = {}  # child id -> its parent
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.parents
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams, arrival_time) -> None:
+        """Fan a new ``n > 1`` request out into ``n`` child requests, queued in the engine.
+        Bad input raises ValueError here; nothing is queued then."""
+        engine = self.engine
+        if params.n > engine.config.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} is more than max_num_seqs={engine.config.max_num_seqs}: the n "
+                "samples of a prompt are meant to run side by side, sharing its blocks"
+            )
+        parent = ParentRequest(request_id, params)
+        if any(c in engine.scheduler.requests for c in parent.child_ids):
+            raise ValueError(f"a child id of request {request_id!r} is already in flight")
+        seqs = [
+            engine.input_processor.process(child_id, prompt, parent.child_params(i), arrival_time)
+            for i, child_id in enumerate(parent.child_ids)
+        ]
+        self.add(parent)
+        for seq in seqs:
+            seq.shares_prompt = True  # siblings share even without caching
+            engine.add_sequence(seq)
+
+    def consume(self, seq: Sequence, runner_output: ModelRunnerOutput, counts: TokenCounts) -> bool:
+        return False  # a child's row is an ordinary request's
+
+    def after_step(self, outputs: list[RequestOutput], now: float) -> list[RequestOutput]:
+        return self.gather(outputs)
+
+    def abort(self, request_id: str) -> bool | None:
+        """Abort a parent: every child still in flight."""
+        parent = self.pop(request_id)
+        if parent is None:
+            return None  # a child id is a request of its own
+        return any([self.engine.abort_request(c) for c in parent.child_ids])
+
+    @property
+    def in_lockstep(self) -> bool:
+        return False
 
     def add(self, parent: ParentRequest) -> None:
         self.parents[parent.request_id] = parent

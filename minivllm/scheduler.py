@@ -11,9 +11,9 @@ When the KV pool runs dry, the newest running sequence is *preempted by recomput
 blocks go back to the pool and it returns to the front of the waiting queue, to be
 recomputed (prompt and output so far) when there is room again.
 
-With speculative decoding, a decode may also carry draft tokens (spec_decode/): budget
-and blocks left over at the end of `schedule` extend decodes to ``1 + num_drafts`` tokens,
-and `update_from_output` rolls ``num_computed_tokens`` back past the rejected ones.
+Other policies are subclasses: `AsyncScheduler` (async_scheduler.py) and
+`SpecDecodeScheduler` (spec_decode/scheduler.py), which spends the leftover budget on
+draft tokens (`_schedule_leftover`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from minivllm.kv_cache_manager import KVCacheManager
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import SchedulerOutput
 from minivllm.sequence import FinishReason, Sequence, SequenceStatus
-from minivllm.spec_decode import NgramProposer, SpecDecodingStats
 
 
 class Scheduler:
@@ -41,12 +40,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         clock=time.perf_counter,
-        max_model_len: int | None = None,
-        proposer: NgramProposer | None = None,
     ) -> None:
-        """``proposer``: switches speculative decoding on (then ``max_model_len`` caps the
-        drafts)."""
-        assert proposer is None or max_model_len is not None
         self.kv_cache_manager = kv_cache_manager
         self.clock = clock
         self.max_num_seqs = max_num_seqs
@@ -56,9 +50,12 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.num_waiting_preempted = 0  # of ``waiting``, those preempted (at its front)
-        self.max_model_len = max_model_len
-        self.proposer = proposer
-        self.spec_decoding_stats = SpecDecodingStats(proposer.k if proposer else 0)
+
+    @classmethod
+    def from_config(cls, config, kv_cache_manager, max_model_len, clock) -> Scheduler:
+        """The engine's way in: every policy builds itself from the settings."""
+        del max_model_len  # only drafts need it (spec_decode/scheduler.py)
+        return cls(kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, clock)
 
     def add_request(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
@@ -74,8 +71,7 @@ class Scheduler:
         budget = self._schedule_waiting(out, budget)
         if out.is_empty and self.waiting and self.running:
             budget = self._unblock_idle_beams(out, budget)
-        if self.proposer is not None:
-            self._schedule_drafts(out, budget)
+        self._schedule_leftover(out, budget)
         if not out.is_empty:  # an empty step does not run: its copies wait for the next
             out.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()  # copy-on-write
         return out
@@ -139,56 +135,19 @@ class Scheduler:
         out.add(seq, num_new)
         self.kv_cache_manager.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
 
-    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> None:
-        """Speculative decoding: extend scheduled decodes with draft tokens, oldest first,
-        out of what is left of the budget and the pool once every real token is placed.
-        Drafts are optional work: they never preempt anyone, never delay an admission,
-        and are dropped first when the pool is tight (vLLM schedules them with the running
-        request, before waiting ones; here they come last, so the pool decides simply)."""
-        for seq in list(out.scheduled_seqs):
-            if out.is_prefill[seq.request_id] or not _may_draft(seq):
-                continue
-            # What is left of the budget; and each draft can become one more output token:
-            # stop at max_tokens and at max_model_len (its last position is never computed).
-            max_drafts = min(budget, self.max_model_len - 1 - seq.num_tokens)
-            if seq.sampling_params.max_tokens is not None:
-                max_drafts = min(
-                    max_drafts, seq.sampling_params.max_tokens - 1 - seq.num_output_tokens
-                )
-            drafts = self.proposer.propose(seq.token_ids, max_drafts)  # none if max_drafts < 1
-            if not drafts:
-                continue
-            num_new = out.num_scheduled_tokens[seq.request_id] + len(drafts)
-            if not self.kv_cache_manager.allocate_slots(seq, num_new):
-                continue  # no room in the pool: this request decodes one token, as usual
-            out.add_draft_tokens(seq, drafts)
-            budget -= len(drafts)
+    def _schedule_leftover(self, out: SchedulerOutput, budget: int) -> None:
+        """What a policy does with the budget left once every real token is placed:
+        nothing here (draft tokens: spec_decode/scheduler.py)."""
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> None:
         """After the model ran: the scheduled tokens' keys and values are in the cache.
-        Blocks filled by accepted drafts are registered now (prefix caching): they joined
-        the known tokens only with this step's output.
-
-        Speculative decoding: of ``d`` drafts, the first ``len(sampled) - 1`` were accepted;
-        the rejected ones' keys and values are garbage. ``num_computed_tokens`` stops
-        before them (their slots are overwritten when those positions are computed again)
-        and the blocks that held nothing else go back to the pool."""
+        Nothing is registered for prefix caching: every token the step computed was known
+        when it was scheduled, and `_add_to_step` registered its blocks."""
+        num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         for seq in scheduler_output.scheduled_seqs:
-            num_new = scheduler_output.num_scheduled_tokens[seq.request_id]
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq.request_id)
-            if drafts:
-                sampled = model_runner_output.sampled_token_ids[seq.request_id]
-                num_accepted = len(sampled) - 1
-                num_new -= len(drafts) - num_accepted
-                self.spec_decoding_stats.observe_draft(len(drafts), num_accepted)
-            seq.num_computed_tokens += num_new
-            if drafts:
-                self.kv_cache_manager.free_surplus_blocks(seq)
-                self.kv_cache_manager.cache_full_blocks(seq)
-            # Without drafts there is nothing to register: every token the step computed
-            # was known when it was scheduled, and `_add_to_step` registered its blocks.
+            seq.num_computed_tokens += num_scheduled_tokens[seq.request_id]
 
     def fork_request(self, parent: Sequence, child: Sequence) -> None:
         """Beam search: ``child`` continues ``parent``'s computed tokens. It shares the
@@ -253,19 +212,3 @@ class Scheduler:
                     self.num_waiting_preempted -= 1
             self.kv_cache_manager.free(seq)
             seq.finish(reason, now, stop_reason)
-
-
-def _may_draft(seq: Sequence) -> bool:
-    """Whether drafts can be verified for ``seq`` with the target distribution exact:
-    not while ``min_tokens`` still bans EOS and stop tokens (that mask depends on the
-    position), and not with ``min_p`` or penalties (which depend on the tokens before
-    each draft; vLLM leaves them out too). Nor for a request that asked for ``logprobs``:
-    it decodes one token a step, so each token's logprobs come from the one row that
-    sampled it."""
-    params = seq.sampling_params
-    return (
-        seq.num_output_tokens >= params.min_tokens
-        and params.min_p == 0
-        and not params.has_penalties
-        and params.logprobs is None
-    )

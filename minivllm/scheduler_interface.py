@@ -12,7 +12,6 @@ from typing import Protocol
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import SchedulerOutput
 from minivllm.sequence import FinishReason, Sequence
-from minivllm.spec_decode import SpecDecodingStats
 
 
 class SchedulerInterface(Protocol):
@@ -21,7 +20,10 @@ class SchedulerInterface(Protocol):
     running: list[Sequence]  # holding KV blocks
     num_preemptions: int  # since the engine started
     num_waiting_preempted: int  # of ``waiting``, those preempted, kept count of as they move
-    spec_decoding_stats: SpecDecodingStats  # speculative decoding's counters (zero when off)
+
+    @classmethod
+    def from_config(cls, config, kv_cache_manager, max_model_len: int, clock):
+        """Build the policy from the engine's settings (`EngineConfig.scheduler_cls`)."""
 
     def add_request(self, seq: Sequence) -> None:
         """Queue a new request."""

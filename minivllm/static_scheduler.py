@@ -30,7 +30,6 @@ from minivllm.kv_cache_manager import KVCacheManager
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import SchedulerOutput
 from minivllm.sequence import FinishReason, Sequence, SequenceStatus
-from minivllm.spec_decode import SpecDecodingStats
 
 
 class StaticBatchScheduler:
@@ -57,7 +56,10 @@ class StaticBatchScheduler:
         self.num_batches = 0
         self.num_preemptions = 0  # every request has its full region: never preempts
         self.num_waiting_preempted = 0
-        self.spec_decoding_stats = SpecDecodingStats(0)  # no drafts in a static batch
+
+    @classmethod
+    def from_config(cls, config, kv_cache_manager, max_model_len, clock) -> StaticBatchScheduler:
+        return cls(kv_cache_manager, config.max_num_seqs, max_model_len, clock)
 
     def add_request(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq

@@ -3,24 +3,26 @@ what the step ran (prefill, decode and padding token rows, who was preempted), t
 requests it advanced (prompt tokens of prefills that completed, output tokens kept), and
 the engine's state after it (queues, KV blocks, the prefix-cache and spec-decode totals).
 
-`LLMEngine.step` builds one after every step that ran (``engine.last_stats``, and in
-``engine.step_log`` when that is a list); `LLMEngine.stats()` reads one built between
-steps. The bench summarizes a run's snapshots (`minivllm.bench.metrics`), the server's
-``/metrics`` (`minivllm.entrypoints.prometheus`) and live page read each one as it comes.
+`EngineStats` builds one after every step that ran (``engine.last_stats``; between
+`engine.record_steps()` and `engine.take_step_stats()`, every one); `LLMEngine.stats()`
+reads one built between steps. The bench summarizes a run's snapshots
+(`minivllm.bench.metrics`), the server's ``/metrics`` (`minivllm.entrypoints.prometheus`)
+and live page read each one as it comes.
 Per-request latencies come from `RequestMetrics` (sequence.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from minivllm.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from minivllm.spec_decode import SpecDecodingStats
 
 if TYPE_CHECKING:
     from minivllm.scheduler_interface import SchedulerInterface
     from minivllm.scheduler_output import SchedulerOutput
+    from minivllm.sequence import Sequence
+    from minivllm.spec_decode import SpecDecodingStats
 
 
 @dataclass
@@ -110,3 +112,91 @@ def _what_ran(scheduled: SchedulerOutput | None) -> dict:
         padding_ids=scheduled.wasted_ids,
         preempted_ids=[s.request_id for s in scheduled.preempted],
     )
+
+
+@dataclass
+class TokenCounts:
+    """What one step's outputs advanced, counted per request once (vLLM's
+    ``IterationStats``): the prompts of requests whose first output token came, and the
+    output tokens kept."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+    def add(self, seq: Sequence, num_kept: int) -> None:
+        """``seq`` kept ``num_kept`` new output tokens (a stop drops the ones after it)."""
+        if num_kept and seq.num_output_tokens == num_kept:  # its prefill is complete
+            self.num_prompt_tokens += seq.num_prompt_tokens
+        self.num_generation_tokens += num_kept
+
+
+class EngineStats:
+    """The engine's statistics: a `StepStats` after every step that ran (``last``), every
+    one of them while recording, and a snapshot between steps (vLLM's
+    ``Scheduler.make_stats`` and its stat loggers)."""
+
+    def __init__(self, scheduler: SchedulerInterface, kv_cache_manager: KVCacheManager, clock):
+        self.scheduler = scheduler
+        self.kv_cache_manager = kv_cache_manager
+        self.clock = clock
+        self.last: StepStats | None = None  # the last step's snapshot, if it ran
+        self.recorded: list[StepStats] | None = None  # a list while recording
+
+    @property
+    def spec_decoding(self) -> SpecDecodingStats | None:
+        """Speculative decoding's counters since the engine started, or None when it is off
+        (the policy that drafts keeps them: spec_decode/scheduler.py)."""
+        return getattr(self.scheduler, "spec_decoding_stats", None)
+
+    def make_stats(
+        self,
+        scheduled: SchedulerOutput | None = None,
+        start_time: float | None = None,
+        counts: TokenCounts | None = None,
+    ) -> StepStats:
+        """After a step: what ``scheduled`` ran from ``start_time`` to now; with no step,
+        the queues, KV pool and counters as they are now."""
+        now = self.clock()
+        counts = counts or TokenCounts()
+        return StepStats.capture(
+            self.scheduler, self.kv_cache_manager, self.spec_decoding, scheduled,
+            now if start_time is None else start_time, now,
+            counts.num_prompt_tokens, counts.num_generation_tokens,
+        )  # fmt: skip
+
+    def step_done(self, scheduled: SchedulerOutput, start_time: float, counts: TokenCounts):
+        self.last = self.make_stats(scheduled, start_time, counts)
+        if self.recorded is not None:
+            self.recorded.append(self.last)
+
+    def record_steps(self) -> None:
+        """Keep every step's snapshot from now on, until `take_step_stats`."""
+        self.recorded = []
+
+    def take_step_stats(self) -> list[StepStats]:
+        """The snapshots kept since `record_steps` (oldest first); recording stops."""
+        recorded, self.recorded = self.recorded, None
+        if recorded is None:
+            raise RuntimeError("take_step_stats() without record_steps() first")
+        return recorded
+
+    def as_dict(self, config) -> dict:
+        """`make_stats` now, as a dict, with the config, e.g. for a progress display."""
+        stats = self.make_stats()
+        spec_decode = stats.spec_decoding
+        return {
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "num_preempted": stats.num_preempted,
+            "num_free_blocks": stats.num_kv_blocks - stats.num_kv_blocks_used,
+            "num_kv_blocks": stats.num_kv_blocks,
+            "num_preemptions_total": stats.num_preemptions_total,
+            # Prefix caching: tokens looked up at each admission (a readmission after a
+            # preemption too), and of those, found in the cache instead of computed.
+            "prefix_cache_query_tokens": stats.prefix_cache.num_queried_tokens,
+            "prefix_cache_hit_tokens": stats.prefix_cache.num_hit_tokens,
+            "prefix_cache_hit_rate": stats.prefix_cache.hit_rate,
+            # Speculative decoding: vLLM's counters and derived rates, when it is on.
+            **(spec_decode.as_dict() if spec_decode is not None else {}),
+            "config": asdict(config),
+        }

@@ -1,6 +1,7 @@
 """Small helpers shared by several modules."""
 
 import gc
+import importlib
 import operator
 
 import numpy as np
@@ -39,3 +40,10 @@ def freeze_gc_heap() -> None:
     Measured in docs/tutorial/what-a-gpu-would-do.md, "The engine's own time per step"."""
     gc.collect()
     gc.freeze()
+
+
+def resolve_obj_by_qualname(qualname: str):
+    """``"package.module.Name"`` -> the object (vLLM's helper of the same name): a feature
+    is loaded when it is used, so the core imports none."""
+    module_name, _, name = qualname.rpartition(".")
+    return getattr(importlib.import_module(module_name), name)

@@ -62,7 +62,7 @@ class Worker:
         num_kv_blocks: int,
         master_port: int,
     ) -> None:
-        from minivllm.executor import checked_backend
+        from minivllm.config import checked_backend
 
         size = config.tensor_parallel_size
         if config.torch_device.type == "cuda":

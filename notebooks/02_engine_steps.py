@@ -30,16 +30,18 @@ from minivllm import EngineConfig, LLMEngine, SamplingParams
 start = time.perf_counter()
 # Prefix caching (on by default, as in vLLM) is off here: the four prompts share the chat
 # template's system prompt, and this notebook shows every prefill token being computed.
-# Async scheduling (also on by default) is off too: each `step()` then reports the batch it
-# scheduled, instead of the one before it, which keeps the walkthrough one step at a time.
+# Everything else is the default. On a CPU that includes synchronous scheduling (async
+# scheduling overlaps with a GPU's work, and is on by default only there): each `step()`
+# reports the batch it scheduled, and `engine.step_fn` says which step function runs.
 engine = LLMEngine(
     EngineConfig(
         max_num_batched_tokens=32, max_num_seqs=3, num_kv_blocks=64,
-        enable_prefix_caching=False, async_scheduling=False,
+        enable_prefix_caching=False,
     )
 )  # fmt: skip
 print(f"SmolLM2 loaded in {time.perf_counter() - start:.1f} s; "
-      f"KV pool: {engine.num_kv_blocks} blocks of {engine.config.block_size} tokens")  # fmt: skip
+      f"KV pool: {engine.num_kv_blocks} blocks of {engine.config.block_size} tokens; "
+      f"step function: {engine.step_fn.__name__}")  # fmt: skip
 
 # %% [markdown]
 # Prompts go through the model's chat template, exactly as `LLM.chat` does it. Greedy

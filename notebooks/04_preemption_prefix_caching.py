@@ -50,13 +50,12 @@ PARAMS = SamplingParams(temperature=0, max_tokens=16)
 
 def make_engine(enable_prefix_caching: bool = False, **options) -> LLMEngine:
     """Prefix caching off unless asked: the preemption runs below recompute every token.
-    Async scheduling off: each step's record then belongs to the step that reported it."""
+    The rest is the default (on a CPU: synchronous steps, each reporting itself)."""
     config = EngineConfig(
-        max_num_batched_tokens=256, enable_prefix_caching=enable_prefix_caching,
-        async_scheduling=False, **options,
-    )  # fmt: skip
+        max_num_batched_tokens=256, enable_prefix_caching=enable_prefix_caching, **options
+    )
     engine = LLMEngine(config)
-    engine.step_log = []  # record a StepStats per step (minivllm/stats.py)
+    engine.record_steps()  # keep a StepStats per step (minivllm/stats.py)
     return engine
 
 
@@ -81,7 +80,8 @@ def run(engine: LLMEngine) -> dict:
         for output in engine.step():
             if output.finished:
                 outputs[output.request_id] = output
-    return {"outputs": outputs, "seconds": time.perf_counter() - start, "steps": engine.step_log}
+    steps = engine.take_step_stats()
+    return {"outputs": outputs, "seconds": time.perf_counter() - start, "steps": steps}
 
 
 # %% [markdown]

@@ -247,6 +247,14 @@ EQUIVALENT: dict[str, str] = {
         )
         for n in (9, 18, 25, 34)
     },
+    "minivllm.spec_decode.scheduler.x\u01c1SpecDecodeScheduler\u01c1update_from_output__mutmut_2": (
+        "the base scheduler's update_from_output given None for the runner's output: it does "
+        "not read it (only the rollback here does)"
+    ),
+    "minivllm.spec_decode.scheduler.x\u01c1SpecDecodeScheduler\u01c1update_from_output__mutmut_7": (
+        "the loop over the scheduled sequences also when no request carried drafts: a "
+        "shortcut, each sequence without drafts is skipped anyway"
+    ),
     "minivllm.model_runner.x\u01c1ModelRunner\u01c1__init____mutmut_30": (
         "the input batch's device set to None: its tensors stay on the CPU, where the mutation "
         "run is"

@@ -1,12 +1,14 @@
-"""Async scheduling (on by default wherever it is supported) changes when the engine's
+"""Async scheduling (on by default on a CUDA device, off on a CPU) changes when the engine's
 bookkeeping runs, never what it computes: every request's tokens, text and finish reason
 equal the synchronous engine's (``async_scheduling=False``), in every scheduling regime,
-and the pool ends empty. Where it is not supported the default falls back, with the
-reason; asked for explicitly there, it is refused."""
+and the pool ends empty. Every differential test asks for it explicitly, so it runs both
+ways on any device. Where it is not supported the default falls back, with the reason;
+asked for explicitly there, it is refused."""
 
 import logging
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -70,7 +72,7 @@ def test_outputs_equal_with_and_without_async_scheduling(tiny_llama_path, regime
     params = [_params(i, stop_token) for i in range(len(prompts))]
     sync, expected = _run(tiny_llama_path, prompts, params, async_scheduling=False,
                           **REGIMES[regime])  # fmt: skip
-    llm, got = _run(tiny_llama_path, prompts, params, **REGIMES[regime])  # the default
+    llm, got = _run(tiny_llama_path, prompts, params, async_scheduling=True, **REGIMES[regime])
     assert got == expected
     assert isinstance(llm.llm_engine.scheduler, AsyncScheduler)
     assert type(sync.llm_engine.scheduler) is Scheduler
@@ -203,11 +205,32 @@ UNSUPPORTED = {
 }  # fmt: skip
 
 
-def test_on_by_default_where_supported():
-    config = EngineConfig()
-    assert config.async_scheduling is None  # what was asked: nothing
-    assert config.use_async_scheduling and config.async_scheduling_unsupported is None
-    assert not EngineConfig(async_scheduling=False).use_async_scheduling
+def test_on_by_default_on_cuda_only_and_what_is_asked_wins(monkeypatch):
+    """Overlap pays where the model runs on a device: by default on CUDA, off on a CPU
+    (the model's work is the CPU's); asked for explicitly, it runs anywhere supported."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the settings only
+    cpu = EngineConfig(device="cpu")
+    assert cpu.async_scheduling is None  # what was asked: nothing
+    assert cpu.async_scheduling_unsupported is None and not cpu.use_async_scheduling
+    assert cpu.async_scheduling_off == "the model runs on cpu: nothing to overlap with"
+    assert cpu.scheduler_cls == "minivllm.scheduler.Scheduler"
+    asked = EngineConfig(device="cpu", async_scheduling=True)
+    assert asked.use_async_scheduling
+    assert asked.scheduler_cls == "minivllm.async_scheduler.AsyncScheduler"
+    cuda = EngineConfig(device="cuda")
+    assert cuda.use_async_scheduling and cuda.async_scheduling_off is None
+    assert cuda.scheduler_cls == "minivllm.async_scheduler.AsyncScheduler"
+    assert not EngineConfig(device="cuda", async_scheduling=False).use_async_scheduling
+    spec = EngineConfig(device="cuda", speculative_config={"num_speculative_tokens": 2})
+    assert spec.scheduler_cls == "minivllm.spec_decode.scheduler.SpecDecodeScheduler"
+
+
+def test_a_cpu_engine_steps_synchronously_by_default_and_logs_why(tiny_llama_path, caplog):
+    with caplog.at_level(logging.INFO, logger="minivllm.engine"):
+        llm = LLM(model=str(tiny_llama_path), num_kv_blocks=64, device="cpu")
+    engine = llm.llm_engine
+    assert type(engine.scheduler) is Scheduler and engine.step_fn == engine._step_sync
+    assert "async scheduling off: the model runs on cpu: nothing to overlap" in caplog.text
 
 
 @pytest.mark.parametrize("name", UNSUPPORTED)
@@ -224,7 +247,8 @@ def test_static_engine_runs_synchronously_and_logs_why(tiny_llama_path, caplog):
     with caplog.at_level(logging.INFO, logger="minivllm.engine"):
         llm = LLM(model=str(tiny_llama_path), num_kv_blocks=64, scheduling_policy="static")
     engine = llm.llm_engine
-    assert isinstance(engine.scheduler, StaticBatchScheduler) and engine.step_worker is None
+    assert isinstance(engine.scheduler, StaticBatchScheduler)
+    assert engine.step_fn == engine._step_sync
     assert "async scheduling off: async_scheduling needs the continuous" in caplog.text
 
 
@@ -236,7 +260,7 @@ def test_smollm2_outputs_equal(smollm2_path):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     options = dict(num_kv_blocks=20, block_size=8, max_num_batched_tokens=48)
     _, expected = _run_text(smollm2_path, prompts, params, async_scheduling=False, **options)
-    llm, got = _run_text(smollm2_path, prompts, params, **options)  # the default: async
+    llm, got = _run_text(smollm2_path, prompts, params, async_scheduling=True, **options)
     assert isinstance(llm.llm_engine.scheduler, AsyncScheduler)
     assert got == expected
     assert llm.llm_engine.scheduler.num_preemptions > 0
@@ -259,7 +283,7 @@ def test_logprobs_equal(tiny_llama_path):
 
     expected = run(async_scheduling=False)
     assert expected[0][1] and expected[0][2]  # there are logprobs to compare
-    assert run() == expected
+    assert run(async_scheduling=True) == expected
 
 
 def _logprob_values(rows):

@@ -235,16 +235,17 @@ def test_abort_frees_every_beam(tiny):
     engine.add_beam_search_request("r", prompt, BeamSearchParams(4, 20))
     for _ in range(4):
         assert engine.step() == []
-    assert len(engine.beam_groups.groups["r"].beams) == 4
+    assert len(engine.request_groups["beam_search"].groups["r"].beams) == 4
     assert engine.kv_cache_manager.num_free_blocks < engine.num_kv_blocks
     with pytest.raises(ValueError, match="already in flight"):
         engine.add_beam_search_request("r", {"prompt_token_ids": [5]}, BeamSearchParams(2, 2))
-    a_beam = engine.beam_groups.groups["r"].beam_ids[-1]
+    a_beam = engine.request_groups["beam_search"].groups["r"].beam_ids[-1]
     assert engine.abort_request(a_beam) is False  # a beam alone is not a request
     assert engine.abort_request("r") is True
     assert engine.abort_request("r") is False
     assert_every_block_free(llm)
-    assert "r" not in engine.beam_groups and not engine.beam_groups.group_of
+    beams = engine.request_groups["beam_search"]
+    assert "r" not in beams and not beams.group_of
 
 
 @pytest.mark.parametrize("regime", ["roomy", "preempting"])
@@ -254,7 +255,7 @@ def test_each_beam_token_and_the_prompt_are_counted_once_in_the_step_stats(tiny,
     path, _ = tiny
     llm = LLM(str(path), **REGIMES[regime])
     engine = llm.llm_engine
-    engine.step_log = []
+    engine.record_steps()
     prompts = [list(range(3, 12)), list(range(20, 26)), [5, 9, 30, 7, 8]]  # 9, 6, 5 tokens
     params = BeamSearchParams(beam_width=4, max_tokens=8, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -262,9 +263,9 @@ def test_each_beam_token_and_the_prompt_are_counted_once_in_the_step_stats(tiny,
     preemptions = engine.scheduler.num_preemptions
     while engine.has_unfinished_requests():
         engine.step()
-    assert sum(s.num_prompt_tokens for s in engine.step_log) == 9 + 6 + 5
+    assert sum(s.num_prompt_tokens for s in engine.engine_stats.recorded) == 9 + 6 + 5
     # Round 1: the one first beam; rounds 2-8: four beams each.
-    assert sum(s.num_generation_tokens for s in engine.step_log) == 3 * (1 + 4 * 7)
+    assert sum(s.num_generation_tokens for s in engine.engine_stats.recorded) == 3 * (1 + 4 * 7)
     if regime == "preempting":
         assert engine.scheduler.num_preemptions > preemptions
 
@@ -322,7 +323,7 @@ def test_the_engine_refuses_what_it_cannot_run_before_any_work(tiny):
         llm.beam_search(
             [{"prompt_token_ids": [5]}, {"prompt_token_ids": [999]}], BeamSearchParams(2, 4)
         )
-    assert not engine.has_unfinished_requests() and not engine.beam_groups.groups
+    assert not engine.has_unfinished_requests() and not engine.request_groups["beam_search"].groups
     assert_every_block_free(llm)
     other = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, scheduling_policy="static"))
     with pytest.raises(ValueError, match="beam search needs the continuous"):
@@ -349,7 +350,7 @@ def test_a_search_joining_overlapped_steps_waits_for_the_step_in_flight(tiny):
         engine.add_beam_search_request("beams", {"prompt_token_ids": [9, 8, 7, 6]}, params)
         while engine.has_unfinished_requests():
             outputs |= {o.request_id: o for o in engine.step()}
-            if engine.beam_groups.groups:
+            if engine.request_groups["beam_search"].groups:
                 assert engine.in_flight is None  # no overlap while the search runs
         results[overlap] = [
             outputs["plain"].outputs[0].token_ids,

@@ -29,6 +29,7 @@ from minivllm.scheduler import Scheduler
 from minivllm.scheduler_output import SchedulerOutput
 from minivllm.sequence import Sequence
 from minivllm.spec_decode import NgramProposer
+from minivllm.spec_decode.scheduler import SpecDecodeScheduler
 
 CYCLE = [1, 2, 3, 4]
 CORRECTION = 9  # what the pretend model samples where it rejects a draft
@@ -40,7 +41,7 @@ def cyclic(num_tokens: int) -> list[int]:
 
 def make_scheduler(num_blocks=32, k=3, budget=64, max_model_len=1000, prefix_caching=False):
     manager = KVCacheManager(num_blocks, block_size=4, enable_prefix_caching=prefix_caching)
-    return Scheduler(
+    return SpecDecodeScheduler(
         manager,
         max_num_seqs=8,
         max_num_batched_tokens=budget,
@@ -176,6 +177,29 @@ def test_a_request_without_drafts_does_not_stop_the_ones_after_it():
     assert drafts_of(out) == {"c": [2, 3, 4]}
 
 
+def test_a_decode_without_drafts_first_does_not_stop_the_roll_back_of_the_ones_after_it():
+    """a decodes one token (min_p: no drafts), then c's 3 drafts are all rejected: c
+    computed its real token only, and a its one."""
+    scheduler = make_scheduler(k=3)
+    a, c = make_seq("a", 8, min_p=0.1), make_seq("c", 8)
+    add(scheduler, a, c)
+    step(scheduler)
+    out = scheduler.schedule()
+    assert [s.request_id for s in out.scheduled_seqs] == ["a", "c"]
+    assert drafts_of(out) == {"c": [2, 3, 4]}
+    run(scheduler, out, {"c": 0})
+    assert (a.num_computed_tokens, c.num_computed_tokens) == (9, 9)
+    assert scheduler.spec_decoding_stats.num_draft_tokens == 3
+
+
+def test_the_spec_scheduler_needs_a_proposer_and_a_length_cap():
+    manager = KVCacheManager(8, block_size=4)
+    proposer = NgramProposer(2, prompt_lookup_min=1, prompt_lookup_max=2)
+    for kwargs in (dict(proposer=proposer), dict(max_model_len=64)):
+        with pytest.raises(AssertionError):
+            SpecDecodeScheduler(manager, max_num_seqs=2, max_num_batched_tokens=8, **kwargs)
+
+
 def test_only_a_decode_can_carry_drafts():
     prefill, decode = make_seq("p", 8), make_seq("d", 8)
     decode.append_token(1, now=0.0)
@@ -191,11 +215,10 @@ def test_only_a_decode_can_carry_drafts():
     assert out.num_scheduled_tokens == {"p": 8, "d": 3}
 
 
-def test_without_a_proposer_the_scheduler_counts_no_draft_positions():
+def test_the_plain_scheduler_keeps_no_draft_counters_and_the_spec_one_one_per_position():
     manager = KVCacheManager(8, block_size=4)
     plain = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)
-    assert plain.spec_decoding_stats.num_spec_tokens == 0
-    assert plain.spec_decoding_stats.num_accepted_tokens_per_pos == []
+    assert not hasattr(plain, "spec_decoding_stats")  # drafts live in spec_decode/ alone
     assert make_scheduler(k=3).spec_decoding_stats.num_accepted_tokens_per_pos == [0, 0, 0]
 
 
@@ -412,3 +435,32 @@ def test_a_rejected_draft_never_enters_the_prefix_cache():
     step(scheduler)  # computes position 7: the block is full of verified tokens now
     assert cache_hit(scheduler, cyclic(9)) == 4
     assert cache_hit(scheduler, cyclic(7) + [CORRECTION, 1]) == 8
+
+
+def test_every_policy_builds_itself_from_the_settings():
+    """The engine's one way in (`EngineConfig.scheduler_cls`, then ``from_config``)."""
+    from minivllm.config import EngineConfig
+    from minivllm.static_scheduler import StaticBatchScheduler
+    from minivllm.utils import resolve_obj_by_qualname
+
+    manager, clock = KVCacheManager(64, block_size=4), lambda: 7.0
+    spec = {"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    config = EngineConfig(max_num_seqs=5, max_num_batched_tokens=40, speculative_config=spec)
+    scheduler = resolve_obj_by_qualname(config.scheduler_cls).from_config(
+        config, manager, 99, clock
+    )
+    assert type(scheduler) is SpecDecodeScheduler
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (5, 40)
+    assert (scheduler.max_model_len, scheduler.clock, scheduler.kv_cache_manager) == (
+        99, clock, manager,
+    )  # fmt: skip
+    proposer = scheduler.proposer
+    assert (proposer.k, proposer.min_n, proposer.max_n) == (3, 2, 4)
+    assert scheduler.spec_decoding_stats.num_accepted_tokens_per_pos == [0, 0, 0]
+    plain = Scheduler.from_config(EngineConfig(max_num_seqs=6), manager, 99, clock)
+    assert (type(plain), plain.max_num_seqs, plain.clock) == (Scheduler, 6, clock)
+    assert plain.max_num_batched_tokens == EngineConfig().max_num_batched_tokens
+    static = StaticBatchScheduler.from_config(
+        EngineConfig(max_num_seqs=2, scheduling_policy="static"), manager, 32, clock
+    )
+    assert (static.max_num_seqs, static.max_model_len, static.clock) == (2, 32, clock)

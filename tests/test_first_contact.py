@@ -9,6 +9,8 @@ import ast
 import dataclasses
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -38,9 +40,19 @@ def _core_modules() -> list[Path]:
 
 
 def _imported_names(path: Path) -> set[str]:
-    """Every module ``path`` imports, at the top or inside a function."""
+    """Every module ``path`` imports, at the top or inside a function (not the ones under
+    ``if TYPE_CHECKING:``, which never run)."""
+    tree = ast.parse(path.read_text())
+    type_only = {
+        id(child)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+        for child in ast.walk(node)
+    }
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -61,6 +73,45 @@ def test_the_core_imports_nothing_above_it():
         for path in modules
     }
     assert {path: names for path, names in offenders.items() if names} == {}
+
+
+# The engine core: the files one plain request passes through, plus settings and loading.
+# Each feature plugs in beside it at one seam (docs/architecture.md), so the core imports
+# none of them: a policy is loaded by its class's name (`EngineConfig.scheduler_cls`), a
+# request group by its kind (request_groups.py), the multi-process executor by its name.
+CORE = [
+    "sequence", "block_allocator", "kv_cache_manager", "scheduler_output", "scheduler",
+    "scheduler_interface", "model_runner", "input_batch", "executor", "sampler", "logprobs",
+    "outputs", "output_processor", "detokenizer", "input_processor", "engine", "llm",
+    "sampling_params", "config", "model_info", "utils", "stats", "request_groups",
+    "models/llama", "models/linear", "models/loader", "models/model_files",
+    "attention/backend", "attention/torch_backend", "attention/registry",
+]  # fmt: skip
+FEATURES = (
+    "minivllm.spec_decode", "minivllm.beam_search", "minivllm.parallel_sampling",
+    "minivllm.async_scheduler", "minivllm.multiproc_executor", "minivllm.static_scheduler",
+    "minivllm.worker",
+)  # fmt: skip
+
+
+def test_the_core_imports_no_feature():
+    offenders = {
+        name: sorted(n for n in _imported_names(PACKAGE / f"{name}.py") if n.startswith(FEATURES))
+        for name in CORE
+    }
+    assert {name: names for name, names in offenders.items() if names} == {}
+
+
+def test_importing_the_package_loads_no_feature():
+    """The same, at run time: ``import minivllm`` and the core modules load nothing above
+    the core and no feature until a request or a setting needs it."""
+    modules = ", ".join(f"minivllm.{name.replace('/', '.')}" for name in CORE)
+    code = f"import sys, minivllm, {modules}; print(sorted(sys.modules))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert "minivllm.scheduler" in loaded
+    assert [m for m in FEATURES + FORBIDDEN if f"'{m}" in loaded] == []
 
 
 # --- the command line --------------------------------------------------------------------

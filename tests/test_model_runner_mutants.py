@@ -42,10 +42,17 @@ def test_a_placeholder_input_is_the_last_steps_sample():
         seq.num_output_placeholders = 1
         second.add(seq, 1)
     assert [c.token_ids for c in second.chunks] == [[PLACEHOLDER_TOKEN_ID]] * 2
+    penalized = []
+    sampler = runner.sampler
+    runner.sampler = lambda logits, chunks: penalized.extend(chunks) or sampler(logits, chunks)
     assert runner.execute_model(second).sampled_token_ids == {"d": [34], "p": [44]}
-    assert [c.token_ids for c in second.chunks] == [[33], [43]]
-    assert second.chunks[0].output_token_ids == []  # no penalties: the sampler counts nothing
-    assert second.chunks[1].output_token_ids == [42, 43]
+    # The runner filled the inputs in its own copies: the step record is the scheduler's.
+    assert [c.token_ids for c in second.chunks] == [[PLACEHOLDER_TOKEN_ID]] * 2
+    assert [c.output_token_ids for c in second.chunks] == [[], [42]]
+    # For penalties the sampler counts the outputs so far, 43 included: it gets a copy of
+    # that chunk; without penalties it gets the record's own chunk.
+    assert penalized[0] is second.chunks[0] and penalized[0].output_token_ids == []
+    assert penalized[1] is not second.chunks[1] and penalized[1].output_token_ids == [42, 43]
     assert runner.prev_sampled_token_ids == {"d": 34, "p": 44}
 
 

@@ -20,12 +20,12 @@ def llm(tiny_llama_path):
 def run_logged(llm, prompt, params):
     """generate() with the engine's step records on; returns (output, step records)."""
     engine = llm.llm_engine
-    engine.step_log = []
+    engine.record_steps()
     try:
         [output] = llm.generate(prompt, params, use_tqdm=False)
-        return output, engine.step_log
     finally:
-        engine.step_log = None
+        steps = engine.take_step_stats()
+    return output, steps
 
 
 def test_n_must_be_a_positive_int():

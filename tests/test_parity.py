@@ -27,7 +27,7 @@ def hf_reference(tiny_model_path):
 def _generate(path, prompts, **options):
     """Greedy ids of every prompt, run as one batch, and the engine's per-step record."""
     llm = LLM(model=str(path), **options)
-    llm.llm_engine.step_log = []
+    llm.llm_engine.record_steps()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outputs]
@@ -36,7 +36,7 @@ def _generate(path, prompts, **options):
 def _prefill_chunks(llm) -> dict[str, int]:
     """How many steps computed part of each request's prompt (or recompute)."""
     chunks: dict[str, int] = {}
-    for step in llm.llm_engine.step_log:
+    for step in llm.llm_engine.engine_stats.recorded:
         for request_id in step.prefill_ids:
             chunks[request_id] = chunks.get(request_id, 0) + 1
     return chunks
@@ -49,7 +49,7 @@ def test_roomy_batch_matches_transformers(hf_reference):
     engine = llm.llm_engine
     # Roomy: every prompt in one chunk, in the first step, and nobody preempted.
     assert set(_prefill_chunks(llm).values()) == {1}
-    assert len(engine.step_log[0].prefill_ids) == len(prompts)
+    assert len(engine.engine_stats.recorded[0].prefill_ids) == len(prompts)
     assert engine.scheduler.num_preemptions == 0
     assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
 
@@ -65,7 +65,8 @@ def test_chunked_prefill_matches_transformers(hf_reference):
         assert got == expected, f"block_size={block_size}"
         # The chunking really happened: no step ran more than 7 tokens, and each prompt
         # took ceil(len / 7) prefill steps at least (the 64-token one: 10).
-        assert max(s.num_prefill_tokens + s.num_decode_tokens for s in llm.llm_engine.step_log) == 7
+        steps = llm.llm_engine.engine_stats.recorded
+        assert max(s.num_prefill_tokens + s.num_decode_tokens for s in steps) == 7
         chunks = _prefill_chunks(llm)
         assert all(chunks[str(i)] >= -(-len(p) // 7) for i, p in enumerate(prompts))
         assert llm.llm_engine.scheduler.num_preemptions == 0
@@ -82,7 +83,7 @@ def test_preemption_matches_transformers(hf_reference):
     llm, got = _generate(path, prompts, enable_prefix_caching=False, **squeezed)
     engine = llm.llm_engine
     assert engine.scheduler.num_preemptions > 0
-    preempted = {rid for step in engine.step_log for rid in step.preempted_ids}
+    preempted = {rid for step in engine.engine_stats.recorded for rid in step.preempted_ids}
     # A preempted request was recomputed: one more prefill than its prompt needed.
     assert preempted and all(_prefill_chunks(llm)[rid] >= 2 for rid in preempted)
     assert got == expected

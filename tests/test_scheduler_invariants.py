@@ -246,7 +246,7 @@ class EngineUnderTest:
 
     def live_beams(self, request_id: str | None = None) -> list[Sequence]:
         """The live beams of one beam search, or of all."""
-        groups = self.engine.beam_groups.groups
+        groups = self.engine.request_groups["beam_search"].groups
         chosen = [groups[request_id]] if request_id is not None else groups.values()
         return [beam.seq for group in chosen for beam in group.beams]
 
@@ -254,15 +254,15 @@ class EngineUnderTest:
         """The ids a caller holds: ``n = 1`` requests, parents with a child in flight and
         beam searches."""
         child_ids = {c.request_id for cs in self.children.values() for c in cs}
-        child_ids |= set(self.engine.beam_groups.group_of)
+        child_ids |= set(self.engine.request_groups["beam_search"].group_of)
         parents = [p for p, cs in self.children.items() if not all(c.is_finished for c in cs)]
-        searches = list(self.engine.beam_groups.groups)
+        searches = list(self.engine.request_groups["beam_search"].groups)
         return sorted(set(self.requests) - child_ids) + sorted(parents) + sorted(searches)
 
     def abort(self, request_id) -> bool:
         children = self.children.get(str(request_id))
         seqs = [s for s in children if not s.is_finished] if children else []
-        if str(request_id) in self.engine.beam_groups:
+        if str(request_id) in self.engine.request_groups["beam_search"]:
             seqs = self.live_beams(str(request_id))
         seqs = seqs or [self.requests.get(str(request_id))]
         if not self.engine.abort_request(request_id):
@@ -273,7 +273,7 @@ class EngineUnderTest:
     def step(self) -> SchedulerOutput:
         waiting = set(self.scheduler.waiting)
         beams_before = self.live_beams()
-        searches_before = list(self.engine.beam_groups.groups)
+        searches_before = list(self.engine.request_groups["beam_search"].groups)
         self.engine.executor.begin_step()
         outputs = self.engine.step()
         scheduled = self.engine.last_step
@@ -285,7 +285,7 @@ class EngineUnderTest:
         beams = set(beams_before)
         done = [s for s in scheduled.scheduled_seqs if s.is_finished and s not in beams]
         # Beam searches report once, after the other requests of the step, when over.
-        ended = [r for r in searches_before if r not in self.engine.beam_groups]
+        ended = [r for r in searches_before if r not in self.engine.request_groups["beam_search"]]
         assert [o.request_id for o in outputs if o.finished] == self.reported_ids(done) + ended
         for seq in done:
             check_stop_rules(seq, self.max_model_len)
@@ -319,7 +319,7 @@ class EngineUnderTest:
         # The oldest running request is never preempted, and it advances every step, so
         # each request needs at most max_model_len steps once it is the oldest.
         bound = len(self.requests) * self.max_model_len + 1
-        for group in self.engine.beam_groups.groups.values():  # each decision
+        for group in self.engine.request_groups["beam_search"].groups.values():  # each decision
             bound += group.params.beam_width * self.max_model_len * (group.max_tokens + 1)
         for num_steps in range(bound):
             if not self.engine.has_unfinished_requests():
@@ -391,7 +391,7 @@ def check_sequences(engine: EngineUnderTest) -> None:
     in_flight = scheduler.running + list(scheduler.waiting)
     assert set(in_flight) == set(engine.requests.values())
     # Beams join whenever they are forked (as the newest): the order is the others'.
-    beams = engine.engine.beam_groups.group_of
+    beams = engine.engine.request_groups["beam_search"].group_of
     arrivals = [engine.arrival_order[seq] for seq in in_flight if seq.request_id not in beams]
     assert arrivals == sorted(arrivals), "a request overtook an earlier one"
     assert set(beams) == {seq.request_id for seq in engine.live_beams()}
@@ -584,7 +584,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         request_id = data.draw(st.sampled_from(self.engine.in_flight()))
         children = self.engine.children.get(request_id)
         seqs = [s for s in children if not s.is_finished] if children else []
-        if request_id in self.engine.engine.beam_groups:
+        if request_id in self.engine.engine.request_groups["beam_search"]:
             seqs = self.engine.live_beams(request_id)
         seqs = seqs or [self.engine.requests[request_id]]
         request_id = data.draw(st.sampled_from([request_id, int(request_id)]))
@@ -627,7 +627,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             is_beam = seq.request_id.startswith("beam")  # beams hash too: not siblings
             if seq.shares_prompt and not seq.metrics.num_preemptions and not is_beam:
                 REACHED["sibling shares the prompt"] += 1
-        beams = self.engine.engine.beam_groups.group_of
+        beams = self.engine.engine.request_groups["beam_search"].group_of
         if any(seq.shares_prompt and seq.request_id not in beams for seq in scheduled.preempted):
             REACHED["child preempted"] += 1
         if any(seq.request_id in beams for seq in scheduled.preempted):

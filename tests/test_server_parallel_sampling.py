@@ -104,5 +104,5 @@ def test_a_client_leaving_an_n_stream_aborts_every_choice(server):
         assert next(reply.iter_lines()).startswith("data: ")
     stats = _wait_until_idle(server, timeout=10)
     assert stats["num_free_blocks"] == stats["num_kv_blocks"]
-    assert not server.async_llm.engine.parent_requests.parents
+    assert not server.async_llm.engine.request_groups["parallel_sampling"].parents
     assert generated() - before < 3 * 500  # no choice ran to its end

@@ -40,7 +40,7 @@ def test_n_equals_2_by_hand(engine):
     assert (on.request_peak_blocks, off.request_peak_blocks) == (4, 6)
     assert (on.num_prefill_tokens, off.num_prefill_tokens) == (12, 20)
     assert on.num_output_tokens == off.num_output_tokens == 6
-    assert engine.step_log is None  # measure() leaves the engine as it found it
+    assert engine.engine_stats.recorded is None  # measure() records nothing
     assert on.num_steps == off.num_steps == 3
     assert engine.kv_cache_manager.num_free_blocks == 64  # everything given back
 

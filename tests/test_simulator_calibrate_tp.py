@@ -9,8 +9,8 @@ import math
 import psutil
 import pytest
 
+from minivllm.bench.hardware_probe import fit_ring_allreduce
 from minivllm.simulator.calibrate import calibrate, format_report
-from minivllm.simulator.hardware_probe import fit_ring_allreduce
 
 SIZES = [2048, 524288, 4194304]
 

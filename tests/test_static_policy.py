@@ -32,7 +32,7 @@ def make_engine(path, policy: str, max_num_seqs: int = 3, num_kv_blocks: int = 6
             async_scheduling=False,
         )
     )
-    engine.step_log = []
+    engine.record_steps()
     return engine
 
 
@@ -80,7 +80,7 @@ def test_padding_slots_are_counted_exactly(tiny_llama_path):
     for i, (p, o) in enumerate(zip(prompt_lens, output_lens)):
         add(engine, str(i), p, o)
     run_to_end(engine)
-    steps = engine.step_log
+    steps = engine.engine_stats.recorded
 
     # Step 1 prefills all three padded to 9 tokens: 4 + 0 + 6 padding rows.
     assert steps[0].num_prefill_tokens == 17
@@ -100,9 +100,9 @@ def test_continuous_computes_no_padding(tiny_llama_path):
     for i, (p, o) in enumerate(zip([5, 9, 3], [4, 2, 6])):
         add(engine, str(i), p, o)
     run_to_end(engine)
-    assert sum(s.num_padding_tokens for s in engine.step_log) == 0
-    assert sum(s.num_prefill_tokens for s in engine.step_log) == 17
-    assert sum(s.num_decode_tokens for s in engine.step_log) == 3 + 1 + 5
+    assert sum(s.num_padding_tokens for s in engine.engine_stats.recorded) == 0
+    assert sum(s.num_prefill_tokens for s in engine.engine_stats.recorded) == 17
+    assert sum(s.num_decode_tokens for s in engine.engine_stats.recorded) == 3 + 1 + 5
 
 
 def test_static_never_admits_into_a_running_batch(tiny_llama_path):
@@ -115,9 +115,10 @@ def test_static_never_admits_into_a_running_batch(tiny_llama_path):
     while engine.scheduler.requests.keys() & first_batch:
         engine.step()
         assert {s.request_id for s in engine.scheduler.running} <= first_batch
-        assert "late" not in engine.step_log[-1].prefill_ids + engine.step_log[-1].decode_ids
+        last = engine.last_stats
+        assert "late" not in last.prefill_ids + last.decode_ids
     engine.step()
-    assert engine.step_log[-1].prefill_ids == ["late"]
+    assert engine.engine_stats.recorded[-1].prefill_ids == ["late"]
     run_to_end(engine)
 
 
@@ -131,7 +132,7 @@ def test_static_reserves_a_max_model_len_region_per_request(tiny_llama_path):
     running = engine.scheduler.running
     assert [s.request_id for s in running] == ["0", "1"]
     assert all(len(s.block_table) == region for s in running)
-    assert engine.step_log[-1].num_kv_blocks_used == 2 * region
+    assert engine.engine_stats.recorded[-1].num_kv_blocks_used == 2 * region
     run_to_end(engine)
     assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
 
@@ -143,7 +144,7 @@ def test_aborted_member_keeps_padding_until_the_batch_ends(tiny_llama_path):
     engine.step()
     engine.abort_request("aborted")
     run_to_end(engine)
-    assert all(s.padding_ids == ["aborted"] for s in engine.step_log[1:])
+    assert all(s.padding_ids == ["aborted"] for s in engine.engine_stats.recorded[1:])
     assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
 
 

@@ -111,12 +111,7 @@ def test_nobody_waits_preempted_and_nothing_is_drafted():
     step(scheduler)
     assert list(scheduler.waiting) == [scheduler.requests["b"]]
     assert scheduler.num_waiting_preempted == 0 and scheduler.num_preemptions == 0
-    stats = scheduler.spec_decoding_stats
-    assert (stats.num_spec_tokens, stats.num_drafts, stats.num_accepted_tokens_per_pos) == (
-        0,
-        0,
-        [],
-    )
+    assert not hasattr(scheduler, "spec_decoding_stats")  # the engine reports None
 
 
 def test_lockstep_decodes_pad_the_finished_members_until_the_batch_ends():

@@ -8,9 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from minivllm.config import EngineConfig
 from minivllm.kv_cache_manager import PrefixCacheStats
 from minivllm.spec_decode import SpecDecodingStats
-from minivllm.stats import StepStats
+from minivllm.stats import EngineStats, StepStats, TokenCounts
 
 
 def engine_state():
@@ -103,3 +104,67 @@ def test_a_step_built_by_hand_starts_its_counters_at_zero():
     other = StepStats(0.0, 1.0, 3, 1, 0, 2, 0, 0, 4, 30)
     other.prefill_ids.append("x")
     assert stats.prefill_ids == []  # each snapshot its own lists
+
+
+# --- EngineStats and TokenCounts: what the engine records of its steps -------------------
+
+
+def test_token_counts_take_a_prompt_once_when_its_first_tokens_are_kept():
+    counts = TokenCounts()
+    first = SimpleNamespace(num_output_tokens=2, num_prompt_tokens=9)  # 2 kept, its first
+    counts.add(first, 2)
+    later = SimpleNamespace(num_output_tokens=5, num_prompt_tokens=7)  # 1 more of 5
+    counts.add(later, 1)
+    mid_prompt = SimpleNamespace(num_output_tokens=0, num_prompt_tokens=4)  # nothing kept
+    counts.add(mid_prompt, 0)
+    assert (counts.num_prompt_tokens, counts.num_generation_tokens) == (9, 3)
+
+
+def make_engine_stats(spec_decoding=None):
+    scheduler, kv = engine_state()
+    if spec_decoding is not None:
+        scheduler.spec_decoding_stats = spec_decoding
+    times = iter([10.0, 11.0, 12.0, 13.0])
+    return EngineStats(scheduler, kv, clock=lambda: next(times))
+
+
+def test_engine_stats_record_steps_only_between_record_and_take():
+    stats = make_engine_stats()
+    assert stats.last is None
+    stats.step_done(step_that_ran(), 9.5, TokenCounts(4, 2))  # not recording yet
+    first = stats.last
+    assert (first.start_time, first.end_time) == (9.5, 10.0)
+    assert (first.num_prompt_tokens, first.num_generation_tokens) == (4, 2)
+    with pytest.raises(RuntimeError, match="record_steps"):
+        stats.take_step_stats()
+    stats.record_steps()
+    stats.step_done(step_that_ran(), 10.5, TokenCounts())
+    stats.step_done(step_that_ran(), 11.5, TokenCounts(0, 1))
+    recorded = stats.take_step_stats()
+    assert [s.start_time for s in recorded] == [10.5, 11.5]
+    assert [s.end_time for s in recorded] == [11.0, 12.0]
+    assert recorded[-1] is stats.last and stats.recorded is None  # recording stopped
+    stats.step_done(step_that_ran(), 12.5, TokenCounts())
+    with pytest.raises(RuntimeError):
+        stats.take_step_stats()
+
+
+def test_engine_stats_between_steps_and_as_a_dict():
+    plain = make_engine_stats()
+    now = plain.make_stats()
+    assert (now.start_time, now.end_time) == (10.0, 10.0)  # one clock read
+    assert now.num_prefill_tokens == now.num_generation_tokens == 0
+    assert plain.spec_decoding is None and now.spec_decoding is None
+    spec = SpecDecodingStats(2)
+    spec.observe_draft(2, 1)
+    drafting = make_engine_stats(spec)
+    assert drafting.spec_decoding is spec
+    config = EngineConfig(max_num_seqs=3)
+    as_dict = drafting.as_dict(config)
+    assert as_dict["num_running"] == 3 and as_dict["num_waiting"] == 4
+    assert as_dict["num_preempted"] == 3 and as_dict["num_free_blocks"] == 30
+    assert as_dict["num_kv_blocks"] == 40 and as_dict["num_preemptions_total"] == 11
+    assert (as_dict["prefix_cache_query_tokens"], as_dict["prefix_cache_hit_tokens"]) == (100, 25)
+    assert as_dict["prefix_cache_hit_rate"] == 0.25
+    assert as_dict["spec_decode_num_drafts"] == 1 and as_dict["config"]["max_num_seqs"] == 3
+    assert "spec_decode_num_drafts" not in plain.as_dict(config)

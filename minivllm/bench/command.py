@@ -8,6 +8,7 @@ import math
 import sys
 from dataclasses import asdict
 
+from minivllm.bench import workloads
 from minivllm.bench.workloads import Workload
 from minivllm.config import SCHEDULING_POLICIES
 from minivllm.entrypoints import cli_args
@@ -29,13 +30,13 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--prompt-len",
         default="uniform:16:400",
-        type=cli_args.length_distribution,
+        type=workloads.length_distribution,
         help="N, uniform:LO:HI or lognormal:MED:SIGMA:LO:HI",
     )
     w.add_argument(
         "--output-len",
         default="uniform:8:128",
-        type=cli_args.length_distribution,
+        type=workloads.length_distribution,
         help="like --prompt-len",
     )
     w.add_argument(
@@ -94,8 +95,8 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from minivllm.bench import report
+    from minivllm.bench.hardware_probe import measure_matmul_peak
     from minivllm.bench.runner import run_engine
-    from minivllm.simulator.hardware_probe import measure_matmul_peak
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -177,8 +178,6 @@ def _add_model_flops(runs, model_path) -> None:
 
 
 def build_workload(args: argparse.Namespace, tokenizer, vocab_size: int) -> Workload:
-    from minivllm.bench import workloads
-
     prompt_len, output_len = args.prompt_len, args.output_len
     # Random prompt ids skip the special tokens (they sit at the start of the vocabulary).
     special = getattr(tokenizer, "all_special_ids", None) or [-1]

@@ -68,12 +68,12 @@ def run_engine(
             engine.close()
     _warm_up(engine, workload)
     before = engine.make_stats()  # the totals the warm-up left
-    engine.step_log = []
+    engine.record_steps()
     desc = f"minivllm {engine.config.scheduling_policy}"
     with tqdm(total=len(workload.requests), desc=desc, disable=not progress) as bar:
         start, results, token_ids = _drive(engine, workload, max_concurrency, bar)
     duration = time.perf_counter() - start
-    steps, engine.step_log = engine.step_log, None
+    steps = engine.take_step_stats()
     after = engine.make_stats()
     summary = summarize(
         results,

@@ -8,6 +8,7 @@ change the compute, their lengths do. The same seed always gives the same worklo
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections.abc import Callable
@@ -164,3 +165,12 @@ def from_jsonl(
     if not requests:
         raise ValueError(f"{path} holds no prompts")
     return Workload(f"file {Path(path).name}", requests)
+
+
+def length_distribution(spec: str) -> LengthDistribution:
+    """An argparse type: ``N``, ``uniform:LO:HI`` or ``lognormal:...`` (bench's and
+    simulate's length flags)."""
+    try:
+        return LengthDistribution.parse(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

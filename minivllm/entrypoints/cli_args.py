@@ -124,16 +124,6 @@ def comma_list(choices: tuple[str, ...], name: str):
     return parse
 
 
-def length_distribution(spec: str):
-    """A benchmark length distribution: ``N``, ``uniform:LO:HI`` or ``lognormal:...``."""
-    from minivllm.bench.workloads import LengthDistribution
-
-    try:
-        return LengthDistribution.parse(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 _MEMORY_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 _MEMORY_UNITS |= {"KB": 10**3, "MB": 10**6, "GB": 10**9}
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 from minivllm.utils import cdiv
 
 if TYPE_CHECKING:
+    import torch
+
     from minivllm.models.llama import ModelConfig
 
 
@@ -159,3 +161,19 @@ def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int, tp: int = 1) -> in
     """One token's keys and values, every layer, on one rank (its KV heads)."""
     kv_heads = kv_heads_per_rank(config.num_kv_heads, tp)
     return 2 * config.num_layers * kv_heads * config.head_dim * dtype_bytes
+
+
+def num_blocks_for_bytes(
+    model_config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    num_bytes: int,
+    tensor_parallel_size: int = 1,
+) -> int:
+    """How many KV blocks ``num_bytes`` of memory hold: a block stores a key and a value
+    vector per layer, KV head and token slot (`kv_bytes_per_token`); split
+    across tensor-parallel ranks, only the rank's own KV heads."""
+    bytes_per_block = block_size * kv_bytes_per_token(
+        model_config, dtype.itemsize, tensor_parallel_size
+    )
+    return max(1, num_bytes // bytes_per_block)

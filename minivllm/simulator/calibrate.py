@@ -105,13 +105,13 @@ def _predicted_step_costs(
     """Replay ``workload`` in the simulator on ``tp`` devices; each step's predicted cost."""
     replica = build_replica(config, Deployment(SMOLLM2, hardware, tp))
     replica.executor.step_costs = []
-    replica.engine.step_log = []
+    replica.engine.record_steps()
     prompt_lens = {r.request_id: len(r.prompt_token_ids) for r in workload.requests}
     for request in workload.requests:
         replica.add(request)
     while replica.is_busy:
         replica.step(prompt_lens)
-    _check_same_decisions(real.steps, replica.engine.step_log)
+    _check_same_decisions(real.steps, replica.engine.take_step_stats())
     return replica.executor.step_costs
 
 

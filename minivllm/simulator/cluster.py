@@ -60,10 +60,6 @@ class Deployment:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
 
     @property
-    def num_devices(self) -> int:
-        return self.num_replicas * self.tensor_parallel_size
-
-    @property
     def model_name(self) -> str:
         return preset_name(self.model)
 
@@ -137,7 +133,7 @@ def simulate(
     replicas = [build_replica(config, deployment, seed) for seed in range(deployment.num_replicas)]
     if record_steps:
         for replica in replicas:
-            replica.engine.step_log = []
+            replica.engine.record_steps()
     pending = sorted(workload.requests, key=lambda r: r.arrival_time)
     prompt_lens = {r.request_id: len(r.prompt_token_ids) for r in pending}
     with _rare_collections():
@@ -223,8 +219,8 @@ def _route(replicas: list[Replica], router: str, index: int) -> Replica:
 
 def _merged_steps(replicas: list[Replica]) -> list[StepStats]:
     if len(replicas) == 1:
-        return replicas[0].engine.step_log
-    steps = [step for r in replicas for step in r.engine.step_log]
+        return replicas[0].engine.take_step_stats()
+    steps = [step for r in replicas for step in r.engine.take_step_stats()]
     return sorted(steps, key=lambda s: s.start_time)
 
 

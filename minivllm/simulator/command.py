@@ -8,6 +8,7 @@ import math
 import sys
 from dataclasses import asdict, replace
 
+from minivllm.bench import workloads
 from minivllm.config import SCHEDULING_POLICIES
 from minivllm.entrypoints import cli_args
 from minivllm.simulator import acceptance
@@ -48,13 +49,13 @@ def add_simulate_arguments(sim: argparse.ArgumentParser) -> None:
     )
     w.add_argument(
         "--prompt-len",
-        type=cli_args.length_distribution,
+        type=workloads.length_distribution,
         default=None,
         help="override: N, uniform:LO:HI, lognormal:...",
     )
     w.add_argument(
         "--output-len",
-        type=cli_args.length_distribution,
+        type=workloads.length_distribution,
         default=None,
         help="override, like --prompt-len",
     )

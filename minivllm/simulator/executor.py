@@ -21,8 +21,7 @@ import random
 import numpy as np
 import torch
 
-from minivllm.config import EngineConfig
-from minivllm.executor import resolve_max_model_len
+from minivllm.config import EngineConfig, resolve_max_model_len
 from minivllm.input_batch import InputBatch
 from minivllm.models.arithmetic import check_tensor_parallel
 from minivllm.models.llama import ModelConfig

@@ -42,11 +42,6 @@ class Hardware:
     def achievable_bandwidth(self) -> float:
         return self.memory_bandwidth * self.bandwidth_efficiency
 
-    @property
-    def ridge_point(self) -> float:
-        """FLOPs per byte above which a kernel is compute-bound."""
-        return self.achievable_flops / self.achievable_bandwidth
-
 
 # Vendors' "GB" of device memory are read as GiB: an H200 ("141 GB") reports about
 # 139 GiB to CUDA, which 141 x 10^9 bytes (131 GiB) would not reach.
@@ -85,7 +80,7 @@ def measure_this_cpu(
     gloo all-reduce among that many processes here, fitted to a latency per hop and a
     bandwidth. `calibrate.py` fits the per-step overhead and the efficiency of the
     model's own steps from a real run."""
-    from minivllm.simulator.hardware_probe import (
+    from minivllm.bench.hardware_probe import (
         measure_allreduce_link,
         measure_matmul_peak,
         measure_read_bandwidth,

@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.sampler import apply_token_bias, sampling_probs
+from minivllm.logprobs import sample_logprobs
+from minivllm.outputs import ModelRunnerOutput
+from minivllm.sampler import Sampler, apply_token_bias, sampling_probs
 from minivllm.sampling_params import SamplingParams
+from minivllm.scheduler_output import ScheduledChunk
 
 
 class RejectionSampler:
@@ -41,6 +44,37 @@ class RejectionSampler:
             logits = apply_token_bias(logits.float(), [params] * logits.shape[0])
             return accept_greedy(logits.argmax(dim=-1).tolist(), draft_token_ids)
         return accept_random(target_probs(logits, params), draft_token_ids, generator)
+
+
+def sample_with_drafts(
+    logits: torch.Tensor, chunks: list[ScheduledChunk], sampler: Sampler
+) -> ModelRunnerOutput:
+    """A step where some decodes carry drafts (the model runner hands it over). logits:
+    the sampled rows, chunk after chunk, ``1 + num_draft_tokens`` each. A chunk with drafts
+    is verified here; the others are sampled by the plain ``sampler``, one row each."""
+    plain, verified, first_row = [], {}, 0
+    for chunk in chunks:
+        num_rows = 1 + chunk.num_draft_tokens
+        if chunk.num_draft_tokens:
+            verified[chunk.request_id] = _REJECTION_SAMPLER(
+                logits[first_row : first_row + num_rows],
+                chunk.draft_token_ids,
+                chunk.sampling_params,
+                chunk.generator,
+            )
+        else:
+            plain.append((chunk, first_row))
+        first_row += num_rows
+    if not plain:
+        return ModelRunnerOutput(verified)
+    plain_chunks, plain_rows = (list(x) for x in zip(*plain))
+    plain_logits = logits[plain_rows]
+    tokens = sampler(plain_logits, plain_chunks)
+    sampled = {c.request_id: [t] for c, t in zip(plain_chunks, tokens)}
+    output = ModelRunnerOutput(sampled | verified)
+    # A request asking for logprobs gets no drafts (spec_decode/scheduler.py).
+    output.logprobs = sample_logprobs(plain_logits, plain_chunks, sampled)
+    return output
 
 
 def accept_greedy(target_token_ids: list[int], draft_token_ids: list[int]) -> list[int]:
@@ -78,3 +112,6 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """``[rows, vocab]`` probabilities the plain sampler would draw from for ``params``."""
     rows_params = [params] * logits.shape[0]
     return sampling_probs(apply_token_bias(logits.float(), rows_params), rows_params)
+
+
+_REJECTION_SAMPLER = RejectionSampler()
