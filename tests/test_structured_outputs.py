@@ -537,3 +537,77 @@ def test_a_grammar_that_fails_to_compile_finishes_its_request_aborted(byte_model
     assert finished["bad"].outputs[0].token_ids == []
     assert len(finished["ok"].outputs[0].token_ids) == 3
     engine.close()
+
+
+# --- model-free: the backend and the manager on the byte tokenizer alone ----------------
+
+_OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+           "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "constraint, good, bad",
+    [
+        (SO(json=_OBJECT), '{"a": 12}', '{"a":12}'),  # the separators are json.dumps'
+        (SO(json_object=True), '{"x": [1, 2]}', "[1]"),
+        (SO(regex="ab+"), "abbb", "ba"),
+        (SO(choice=["yes", "no"]), "no", "nope"),
+        (SO(grammar='start: "x" ("+" "x")*'), "x+x", "x++"),
+        (SO(grammar='root ::= "a" | "b"'), "b", "c"),
+    ],
+)
+def test_each_kind_compiles_to_its_language(constraint, good, bad):
+    """A text of the language is accepted to the end (EOS included) and completes the
+    output; a text outside it is refused at its first wrong token, and a refused token
+    leaves the matcher where it was."""
+    tokenizer = make_byte_tokenizer()
+    compiled = GuidanceBackend(tokenizer, 272).compile(constraint)
+    grammar = compiled.new_matcher()
+    ids = tokenizer.encode(good, add_special_tokens=False)
+    assert not grammar.is_terminated()
+    assert grammar.accept_tokens(ids + [tokenizer.eos_token_id])
+    assert grammar.is_terminated()
+    grammar = compiled.new_matcher()
+    bad_ids = tokenizer.encode(bad, add_special_tokens=False)
+    num_valid = grammar.validate_tokens(bad_ids)
+    assert num_valid < len(bad_ids)
+    assert not grammar.accept_tokens(bad_ids)
+    assert grammar.validate_tokens(bad_ids) == num_valid  # nothing was accepted
+    grammar.rollback(0)
+    assert grammar.accept_tokens(bad_ids[:num_valid])
+
+
+def test_the_manager_compiles_once_per_constraint_and_hands_out_own_matchers():
+    """Two requests with one constraint compile once (a cache hit), a third constraint
+    compiles again; each admitted request gets its own matcher, in arrival order; a
+    matcher's complete output is reported once it takes EOS; removal forgets it."""
+    from minivllm.sequence import Sequence
+    from minivllm.structured_output import StructuredOutputManager
+
+    tokenizer = make_byte_tokenizer()
+    manager = StructuredOutputManager(tokenizer, 272, GuidanceBackend)
+
+    def seq(request_id, constraint):
+        return Sequence(request_id, [1], SamplingParams(structured_outputs=constraint))
+
+    manager.add_request(seq("r1", SO(regex="ab")))
+    manager.add_request(seq("r2", SO(regex="ab")))
+    manager.add_request(seq("r3", SO(choice=["ab", "c"])))
+    assert (manager.stats.num_cache_hits, len(manager.cache)) == (1, 2)
+    manager.wait_for_compile(timeout=10)
+    for future in manager.cache.values():
+        future.result(timeout=10)
+    ready, failed = manager.take_ready()
+    assert [s.request_id for s in ready] == ["r1", "r2", "r3"] and failed == []
+    assert manager.stats.num_compiles == 2 and len(manager.stats.compile_s) == 2
+    assert not manager.waiting and manager.requests["r1"] is not manager.requests["r2"]
+    a, b = (tokenizer.convert_tokens_to_ids(c) for c in "ab")
+    assert manager.accept_tokens("r1", []) is False
+    assert manager.accept_tokens("r1", [a]) is False
+    assert manager.accept_tokens("r1", [b]) is True  # "ab": nothing but EOS can follow
+    assert manager.accept_tokens("r2", [a]) is False  # r2 is still at its own start + "a"
+    assert manager.accept_tokens("r2", [a]) is True  # refused: logged, the request stops
+    assert manager.accept_tokens("unknown", [a]) is False
+    manager.remove("r1")
+    assert "r1" not in manager.requests
+    manager.shutdown()
