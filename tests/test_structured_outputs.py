@@ -512,7 +512,18 @@ def test_bitmask_rows_follow_the_runners_sampled_rows():
     ]
     mask = manager.grammar_bitmask(out)
     assert mask.rows == [1, 2, 3, 6] and mask.bitmask.shape == (4, bitmask_words(272))
+    # Each row is the mask of its request's matcher at that row's position: "json" at
+    # its start, after one draft "a", after two; "late" at its start.
+    expected = torch.zeros(4, bitmask_words(272), dtype=torch.int32)
+    for row, prefix in enumerate([[], [a], [a, a], []]):
+        fresh = compiled.new_matcher()
+        assert fresh.accept_tokens(prefix)
+        fresh.fill_bitmask(expected, row)
+    assert torch.equal(mask.bitmask, expected)
+    assert not torch.equal(expected[0], expected[1])  # "a" alone is already complete
     assert manager.stats.num_masked_rows == 4
+    manager.grammar_bitmask(out)  # the matchers were rolled back: the same masks again
+    assert manager.stats.num_masked_rows == 8
     out.chunks = out.chunks[:1] + out.chunks[2:4]
     assert manager.grammar_bitmask(out) is None
 
