@@ -536,7 +536,7 @@ class _BrokenBackend:
         raise ValueError("grammar too large")
 
 
-def test_a_grammar_that_fails_to_compile_finishes_its_request_aborted(byte_model):
+def test_a_grammar_that_fails_to_compile_fails_its_request_alone(byte_model):
     engine = LLMEngine(EngineConfig(model=byte_model, **BASE))
     engine.structured_output.make_backend = _BrokenBackend
     engine.add_request("bad", "x", SamplingParams(max_tokens=5, structured_outputs=SO(regex="a")))
@@ -544,7 +544,8 @@ def test_a_grammar_that_fails_to_compile_finishes_its_request_aborted(byte_model
     finished = {}
     while engine.has_unfinished_requests():
         finished.update((o.request_id, o) for o in engine.step() if o.finished)
-    assert finished["bad"].outputs[0].finish_reason == "abort"
+    assert finished["bad"].outputs[0].finish_reason == "error"
+    assert "grammar too large" in finished["bad"].error
     assert finished["bad"].outputs[0].token_ids == []
     assert len(finished["ok"].outputs[0].token_ids) == 3
     engine.close()
