@@ -402,8 +402,8 @@ def hf_constrained_greedy(model, backend, constraint, prompt_ids, max_new_tokens
             logits = apply_grammar_bitmask(logits, [0], mask)
             token = int(logits.argmax(-1))
             generated.append(token)
-            assert matcher.accept_tokens([token])
-            if token in eos or matcher.is_terminated():
+            assert matcher.is_terminated() or matcher.accept_tokens([token])
+            if token in eos:
                 break
             ids = torch.tensor([[token]])
     return generated
@@ -616,7 +616,8 @@ def test_the_manager_compiles_once_per_constraint_and_hands_out_own_matchers():
     a, b = (tokenizer.convert_tokens_to_ids(c) for c in "ab")
     assert manager.accept_tokens("r1", []) is False
     assert manager.accept_tokens("r1", [a]) is False
-    assert manager.accept_tokens("r1", [b]) is True  # "ab": nothing but EOS can follow
+    assert manager.accept_tokens("r1", [b]) is False  # "ab": nothing but EOS can follow
+    assert manager.accept_tokens("r1", [tokenizer.eos_token_id]) is True
     assert manager.accept_tokens("r2", [a]) is False  # r2 is still at its own start + "a"
     assert manager.accept_tokens("r2", [a]) is True  # refused: logged, the request stops
     assert manager.accept_tokens("unknown", [a]) is False

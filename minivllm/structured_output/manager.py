@@ -201,15 +201,24 @@ class StructuredOutputManager:
 
     def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
         """Advance ``request_id``'s matcher past the tokens it got this step; True when
-        its output is complete (the grammar accepts nothing more but EOS, or took EOS)."""
+        its output is complete: it ends with EOS, which the grammar allowed. (The engine
+        stops the request then, even with ``ignore_eos``; without it, EOS stops it anyway.
+        Stopping as soon as nothing but EOS is allowed would make the tokens depend on
+        whether that EOS came in the same step as the last character, as drafts allow.)"""
         grammar = self.requests.get(request_id)
         if grammar is None or not token_ids:
             return False
         start = time.thread_time()
-        if not grammar.accept_tokens(token_ids):  # cannot happen when the mask was applied
-            logger.error("request %s: tokens %s refused by its grammar", request_id, token_ids)
-            self.stats.advance_s += time.thread_time() - start
-            return True
-        terminated = grammar.is_terminated()
+        # A matcher that is complete takes nothing more, EOS included (llguidance reads
+        # "stopped" as "EOS is implied"): EOS is accepted only where it is still open.
+        eos = self.tokenizer.eos_token_id
+        ends_with_eos = token_ids[-1] == eos
+        body = token_ids[:-1] if ends_with_eos else token_ids
+        ok = grammar.accept_tokens(body) if body else True
+        if ok and ends_with_eos and not grammar.is_terminated():
+            ok = grammar.accept_tokens([eos])
         self.stats.advance_s += time.thread_time() - start
-        return terminated
+        if not ok:  # cannot happen when the mask was applied
+            logger.error("request %s: tokens %s refused by its grammar", request_id, token_ids)
+            return True
+        return ends_with_eos
