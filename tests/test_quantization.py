@@ -381,6 +381,7 @@ def _rss_mb(field: str) -> float:
     return int(line.split()[1]) / 1024
 
 
+@pytest.mark.slow
 def test_gguf_load_allocates_little_more_than_the_blocks_it_keeps(monkeypatch):
     """Loading quantization="gguf" allocates the blocks the model keeps and a few MB of
     temporaries: no fp32 matrix, no Python object per metadata string (gguf's reader
@@ -428,6 +429,7 @@ def test_gguf_load_allocates_little_more_than_the_blocks_it_keeps(monkeypatch):
         assert measured["rss_growth"] < held + 32
 
 
+@pytest.mark.slow
 def test_gguf_tensor_table_and_blocks_equal_ggufs_own_reader(tmp_path):
     """The loader's own header parser (metadata skipped) finds every tensor of the bundled
     file where gguf's ``GGUFReader`` does, and its row-by-row reads give the same parts;
