@@ -54,12 +54,15 @@ DEMO_THREADS ?= 1
 DEMO_WORKLOAD := --num-prompts 24 --prompt-len lognormal:48:0.8:16:384 \
 	--output-len lognormal:24:0.6:8:64 --max-model-len 512 \
 	--attention-backend numba-cpu --threads $(DEMO_THREADS) --brief
+# QUANTIZATION=int8 or gguf: the demo's generate step runs that weight format, and its
+# first line ("Weights: quantization ...") says which ran and how many bytes it reads.
 demo: $(MODEL_STAMP)
 	@echo "make demo: four benchmark runs after two questions; 1.4 min measured on an idle 2-core"
 	@echo "machine, 6.5 min when other busy processes shared its cores. Progress below."
 	@echo "== Two questions, answered with the model's chat template (one batch: each answer"
 	@echo "   prints when it finishes, so the shorter one may come first)"
 	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/minivllm generate --max-tokens 48 \
+		$(if $(QUANTIZATION),--quantization $(QUANTIZATION)) \
 		"What is continuous batching?" "Write a haiku about the sea."
 	@echo "== (1) Same batch cap (4 requests), plenty of KV memory: padding and waiting"
 	$(VENV)/bin/minivllm bench $(DEMO_WORKLOAD) --max-num-seqs 4 --kv-cache-memory 1GiB \
@@ -87,7 +90,7 @@ test: $(INSTALLED) $(MODEL_STAMP)
 # and whether they are equal (evals/run.py; offline; about 1.5 min on one thread).
 EVAL_THREADS ?= 1
 eval: $(INSTALLED) $(MODEL_STAMP)
-	$(PY) evals/run.py --threads $(EVAL_THREADS)
+	$(PY) evals/run.py --threads $(EVAL_THREADS) $(if $(QUANTIZATION),--quantization $(QUANTIZATION))
 
 # The tutorial notebooks: notebooks/NN_*.py (jupytext) are the source; this runs each one
 # top to bottom (one thread) into build/notebooks/, to prove it still runs. The site shows

@@ -76,7 +76,9 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(model_path: Path, threads: int, device: str = "cpu") -> Iterator[Server]:
+def serve(
+    model_path: Path, threads: int, device: str = "cpu", quantization: str | None = None
+) -> Iterator[Server]:
     """A real `minivllm serve` process on a free 127.0.0.1 port, for the ``with`` block
     (call `Server.wait_ready` before sending it requests: something else can run while
     it loads). The process is always stopped (SIGTERM, then SIGKILL) on the way out,
@@ -86,6 +88,8 @@ def serve(model_path: Path, threads: int, device: str = "cpu") -> Iterator[Serve
                "--served-model-name", SERVED_MODEL_NAME, "--port", str(port),
                "--threads", str(threads), "--dtype", "float32", "--device", device,
                "--log-level", "warning", "--disable-log-stats"]  # fmt: skip
+    if quantization is not None:  # the server's weights only; hf stays float32
+        command += ["--quantization", quantization]
     env = os.environ | OFFLINE | {"PYTHONPATH": os.pathsep.join(sys.path)}
     with tempfile.TemporaryFile() as log:  # a file, not a pipe: a full pipe would block it
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -227,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu",
                         help="where both backends run: cpu or cuda (float32 both)")  # fmt: skip
     parser.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
+    parser.add_argument("--quantization", default=None, choices=("int8", "gguf"),
+                        help="the server's weight format (hf stays float32)")  # fmt: skip
     args = parser.parse_args(argv)
 
     import torch
@@ -239,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model_path = resolve_model_path(args.model)
     start, start_cpu = time.perf_counter(), cpu_seconds()
-    with serve(model_path, args.threads, args.device) as process:
+    with serve(model_path, args.threads, args.device, args.quantization) as process:
         process.wait_ready()
         up = time.perf_counter()
         print(f"== minivllm serve at {process.url} (up in {up - start:.0f} s): "

@@ -70,7 +70,12 @@ from minivllm.stats import TokenCounts
 class BeamSearchSequence:
     """One returned beam (vLLM's ``BeamSearchSequence``): ``tokens`` include the prompt;
     ``logprobs`` has one dict per output token (its step's candidates); ``text`` is the
-    output without a final EOS."""
+    output without a final EOS.
+
+    One difference from vLLM's offline ``LLM.beam_search``: there ``text`` decodes all of
+    ``tokens``, so it starts with the prompt; here it is the output alone, the text the
+    HTTP route's choices carry (as vLLM's server sends them). vLLM's offline text is
+    ``tokenizer.decode(seq.tokens)``."""
 
     tokens: list[int]
     logprobs: SampleLogprobs = field(default_factory=list)
@@ -409,7 +414,13 @@ class BeamSearchGroups:
         finishes the dropped ones and makes the forks. The searches that are over report."""
         scheduler = self.engine.scheduler
         for group in [g for g in self.groups.values() if g.ready]:
-            step = group.step(now)
+            try:
+                step = group.step(now)
+            except Exception as e:  # this search fails alone (its beams are freed)
+                seq = group.beams[0].seq if group.beams else None
+                self.abort(group.request_id)
+                outputs = outputs + [self.engine.failed_output(group.request_id, seq, e)]
+                continue
             self.update_beams(group, step)
             if step.dropped:  # pruned: nobody reports them
                 scheduler.finish_requests([s.request_id for s in step.dropped], FinishReason.ABORT)
@@ -427,6 +438,10 @@ class BeamSearchGroups:
             self.engine.scheduler.finish_requests(group.beam_ids, FinishReason.ABORT)
             return True
         return False if request_id in self.group_of else None
+
+    def owner(self, request_id: str) -> str | None:
+        group = self.group_of.get(request_id)
+        return group.request_id if group is not None else None
 
     @property
     def in_lockstep(self) -> bool:

@@ -29,6 +29,9 @@ def _generate(args: argparse.Namespace) -> int:
         output_kind=RequestOutputKind.DELTA,
     )
     engine = LLMEngine(cli_args.engine_config_from_args(args))
+    from minivllm.quantization import weights_line
+
+    print(weights_line(engine.config.quantization, engine.model_config), file=sys.stderr)
     tokenizer = engine.get_tokenizer()
     # An instruct model answers a question only inside its chat template; without it,
     # SmolLM2 continues the text ("The answer is:") and stops.
@@ -71,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="minivllm", description="vLLM's engine core, small enough to read."
     )
+    parser.add_argument("--version", action="version", version=f"minivllm {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     formatter = {"formatter_class": cli_args.DefaultsHelpFormatter}
 
@@ -139,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (like `vllm serve`)", **formatter
     )
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as in `vllm serve MODEL` (the same as --model; default: the bundled "
+        "SmolLM2-135M-Instruct)",
+    )
     add_server_arguments(serve)
     cli_args.add_engine_args(serve)
     serve.set_defaults(func=_serve)
@@ -146,12 +158,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.model_tag is not None:  # `minivllm serve MODEL`, as `vllm serve MODEL`
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(
+                f"two models given: {args.model_tag!r} and --model {args.model!r}; give one"
+            )
+        args.model = args.model_tag
     config = cli_args.engine_config_from_args(args)  # bad options fail before the model loads
     try:
         from minivllm.entrypoints.openai.api_server import run_serve
     except ImportError as e:
-        raise ValueError(f"{e}: minivllm serve needs pip install 'minivllm[serve]'") from e
+        raise ValueError(f"{e}: minivllm serve needs the serve extra: {INSTALL_HINT}") from e
     return run_serve(args, config)
+
+
+# In a clone (the usual case: minivllm is not on PyPI), extras install with -e ".[extra]".
+INSTALL_HINT = 'pip install -e ".[serve]" in the minivllm clone'
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("minivllm")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "0.1.0"
 
 
 def main(argv: list[str] | None = None) -> int:

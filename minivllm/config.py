@@ -159,6 +159,13 @@ class EngineConfig:
             "(default: off)"
         },
     )
+    quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "weights in fewer bytes: int8 (W8A8 dynamic, FBGEMM) or gguf (the bundled "
+            "model's own Q4_1/Q8_0 blocks, numba kernel); default: none, fp32 weights"
+        },
+    )
     async_scheduling: bool | None = field(
         default=None,
         metadata={
@@ -216,6 +223,7 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but torch sees no CUDA GPU")
         self._check_devices_for_ranks()
+        self._check_quantization()
         # Imported here: the registry imports nothing heavy, but keep config import-light.
         from minivllm.attention import available_backends
 
@@ -224,6 +232,26 @@ class EngineConfig:
                 f"unknown attention backend {self.attention_backend!r}; "
                 f"available: auto, {', '.join(available_backends())}"
             )
+
+    def _check_quantization(self) -> None:
+        """A format this device, dtype or split cannot run is refused here, before any work
+        (`minivllm.quantization.check_quantization`); "gguf" exists for the bundled model."""
+        from minivllm.quantization import check_quantization
+
+        check_quantization(
+            self.quantization, self.torch_device, self.torch_dtype, self.tensor_parallel_size
+        )
+        if self.quantization == "gguf" and self.model is not None:
+            from pathlib import Path
+
+            from minivllm.models.model_files import HUB_ID, MODEL_NAME, cache_dir
+
+            converted = (cache_dir() / MODEL_NAME).resolve()  # the bundled file, dequantized
+            if self.model not in (HUB_ID, MODEL_NAME) and Path(self.model).resolve() != converted:
+                raise ValueError(
+                    f"quantization='gguf' loads the bundled {HUB_ID}'s GGUF file; model "
+                    f"{self.model!r} has none (use quantization='int8' for a checkpoint)"
+                )
 
     def _check_async_scheduling(self) -> None:
         """``async_scheduling=None`` (the default) means: on a CUDA device wherever it is

@@ -26,7 +26,7 @@ from minivllm.kv_cache_manager import KVCacheManager
 from minivllm.model_info import ModelInfo
 from minivllm.models.model_files import resolve_model_path
 from minivllm.output_processor import OutputProcessor
-from minivllm.outputs import ModelRunnerOutput, RequestOutput
+from minivllm.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput
 from minivllm.request_groups import RequestGroupSet
 from minivllm.sampling_params import BeamSearchParams, SamplingParams
 from minivllm.scheduler_interface import SchedulerInterface
@@ -211,20 +211,49 @@ class LLMEngine:
         now = self.clock()
         self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, counts = [], TokenCounts()
+        failed: dict[str, RequestOutput] = {}  # by the id its caller waits on
         for seq in scheduler_output.scheduled_seqs:
             if seq.is_finished:  # async: stopped or aborted after this step was scheduled
                 continue
-            if self.request_groups.consume(seq, runner_output, counts):  # a beam's group
+            try:
+                if self.request_groups.consume(seq, runner_output, counts):  # a beam's group
+                    continue
+                stop = self.output_processor.process(seq, runner_output, now, counts)
+                if stop is not None:
+                    self.scheduler.finish_requests(seq.request_id, stop.reason, stop.stop_reason)
+                output = self.output_processor.make_output(seq)
+            except Exception as e:  # this request (its group) fails alone; the step goes on
+                owner = self.request_groups.owner(seq.request_id)
+                failed.setdefault(owner, self.failed_output(owner, seq, e))
+                self.output_processor.abort_request(seq.request_id)
                 continue
-            stop = self.output_processor.process(seq, runner_output, now, counts)
-            if stop is not None:
-                self.scheduler.finish_requests(seq.request_id, stop.reason, stop.stop_reason)
-            output = self.output_processor.make_output(seq)
             if output is not None:
                 outputs.append(output)
+        if failed:
+            owner = self.request_groups.owner
+            outputs = [o for o in outputs if owner(o.request_id) not in failed]
+            self.abort_request(list(failed))  # frees their blocks; groups go as groups
         outputs = self.request_groups.after_step(outputs, now)  # forks, drops, gathering
+        outputs += failed.values()
         self.engine_stats.step_done(scheduler_output, start, counts)
         return outputs
+
+    def failed_output(
+        self, request_id: str, seq: Sequence | None, error: Exception
+    ) -> RequestOutput:
+        """The last output of a request that failed inside a step: finished, with
+        finish_reason "error" and what went wrong (logged with its traceback here)."""
+        logger.error("request %s failed in a step; it alone is aborted", request_id,
+                     exc_info=error)  # fmt: skip
+        return RequestOutput(
+            request_id=request_id,
+            prompt=seq.prompt if seq is not None else None,
+            prompt_token_ids=seq.prompt_token_ids if seq is not None else [],
+            outputs=[CompletionOutput(0, "", [], finish_reason=FinishReason.ERROR.value)],
+            finished=True,
+            metrics=seq.metrics if seq is not None else None,
+            error=f"{type(error).__name__}: {error}",
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix and the hit-rate counters (like vLLM's), e.g. between

@@ -58,7 +58,9 @@ class UniProcExecutor:
         self.device, dtype = config.torch_device, config.torch_dtype
         backend_cls = checked_backend(config)
         model_path = resolve_model_path(config.model)
-        self.model, _ = load_model(model_path, backend_cls(), dtype, self.device)
+        self.model, _ = load_model(
+            model_path, backend_cls(), dtype, self.device, quantization=config.quantization
+        )
         model_config = self.model.config
 
         self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_bytes(

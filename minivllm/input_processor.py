@@ -16,7 +16,8 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
 from minivllm.utils import as_int, cdiv
 
-Prompt = str | dict  # text, or {"prompt_token_ids": [...]} like vLLM's TokensPrompt
+# Text, or like vLLM's TextPrompt {"prompt": "text"} or TokensPrompt {"prompt_token_ids": [...]}
+Prompt = str | dict
 
 
 class InputProcessor:
@@ -54,6 +55,10 @@ class InputProcessor:
         return Sequence(request_id, token_ids, params, text, arrival_time, generator)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and "prompt" in prompt:
+            prompt = prompt["prompt"]  # vLLM's TextPrompt: {"prompt": "text"}
+            if not isinstance(prompt, str):
+                raise ValueError(f"a TextPrompt's prompt must be a str, got {prompt!r}"[:200])
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -63,7 +68,8 @@ class InputProcessor:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), self._as_token_ids(prompt["prompt_token_ids"])
         raise ValueError(
-            f"a prompt must be a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+            "a prompt must be a str, {'prompt': str} or {'prompt_token_ids': [...]}, got "
+            f"{type(prompt).__name__}"
         )
 
     @staticmethod

@@ -25,8 +25,10 @@ class LLM:
     Llama / Mistral / Qwen2 / Qwen3 checkpoint. Keyword options are `EngineConfig`'s
     (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``,
     ``max_model_len``, ``attention_backend``, ``dtype``, ``device``, ``seed``,
-    ``tensor_parallel_size``, ...). ``tensor_parallel_size=2`` splits the model across two
-    worker processes; `close()` stops them (so do garbage collection and interpreter exit).
+    ``tensor_parallel_size``, ``quantization``, ...). ``quantization="int8"`` or ``"gguf"``
+    holds the weights in fewer bytes (docs/tutorial/quantization.md).
+    ``tensor_parallel_size=2`` splits the model across two worker processes; `close()`
+    stops them (so do garbage collection and interpreter exit).
 
     ``num_threads`` sets torch's CPU threads for the whole process (``torch.set_num_threads``;
     default: torch's, one per core). On a CPU shared with other busy processes, 1 is often
@@ -127,11 +129,17 @@ class LLM:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
+            try:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+            except BaseException:  # a step raised (a worker died), or Ctrl-C: nothing of
+                # this call stays queued for the next one; n > 1 and beam-search requests
+                # go as whole groups, by the ids the caller gave
+                engine.abort_request([r for r in request_ids if r not in finished])
+                raise
         return [finished[r] for r in request_ids]
 
 

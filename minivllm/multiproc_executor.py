@@ -16,10 +16,13 @@ collected, at interpreter exit, and on their own when the engine's process disap
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import multiprocessing as mp
+import os
 import pickle
 import socket
+import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -184,7 +187,30 @@ class MultiprocExecutor:
 
 
 def check_split(model_config: ModelConfig, tensor_parallel_size: int) -> None:
-    """Refuse a split the sharded layers cannot make, naming the numbers."""
+    """Refuse a split the sharded layers cannot make, naming the numbers and the sizes
+    that would work (1 and 3 for the bundled SmolLM2: 9 heads, 3 KV heads, an MLP of
+    1,536)."""
+    try:
+        _check_split(model_config, tensor_parallel_size)
+    except ValueError as e:
+        sizes = ", ".join(map(str, working_split_sizes(model_config)))
+        raise ValueError(f"{e}; tensor_parallel_size {sizes} would work for this model") from None
+
+
+def working_split_sizes(model_config: ModelConfig) -> list[int]:
+    """Every tensor-parallel size this model's layers split into (at most one head per
+    rank)."""
+    sizes = []
+    for tp in range(1, model_config.num_heads + 1):
+        try:
+            _check_split(model_config, tp)
+        except ValueError:
+            continue
+        sizes.append(tp)
+    return sizes
+
+
+def _check_split(model_config: ModelConfig, tensor_parallel_size: int) -> None:
     c, tp = model_config, tensor_parallel_size
     check_tensor_parallel(c.num_heads, c.num_kv_heads, tp)
     if c.intermediate_size % tp:
@@ -197,6 +223,7 @@ def check_split(model_config: ModelConfig, tensor_parallel_size: int) -> None:
 def start_workers(
     config: EngineConfig, eos_token_ids: frozenset[int], num_kv_blocks: int
 ) -> list[WorkerHandle]:
+    check_main_guard()
     context = mp.get_context("spawn")
     master_port = free_port()
     workers = []
@@ -212,6 +239,63 @@ def start_workers(
         worker_end.close()  # the worker holds its end; EOF reaches us when it exits
         workers.append(WorkerHandle(rank, process, engine_end))
     return workers
+
+
+def check_main_guard() -> None:
+    """Refuse, in one line, to start workers from a script's top level.
+
+    A ``spawn`` worker imports the main script again; a script that builds its `LLM` at
+    top level, not under ``if __name__ == "__main__":``, would then build it again in every
+    worker, and multiprocessing fails each with a page of traceback. (vLLM forks its workers
+    on Linux, where such a script runs; fork is not safe with the threads torch and the
+    engine start, so minivllm spawns.) A REPL, a notebook or ``python -c`` is never imported
+    again: nothing to check."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or not os.path.isfile(path):
+        return
+    # The script's own top-level frame, however deep the call into minivllm came from.
+    frame, top = sys._getframe(1), None
+    while frame is not None:
+        if frame.f_globals is vars(main) and frame.f_code.co_name == "<module>":
+            top = frame
+        frame = frame.f_back
+    if top is None:
+        return
+    with open(path, encoding="utf-8") as f:
+        line = unguarded_line(f.read(), top.f_lineno)
+    if line is not None:
+        raise RuntimeError(
+            f"{path}:{line} starts tensor-parallel workers at the script's top level: put "
+            'that code under `if __name__ == "__main__":` (each worker imports the script '
+            "again, and would start its own)"
+        )
+
+
+def unguarded_line(source: str, lineno: int) -> int | None:
+    """``lineno`` if that line of the script ``source`` runs at import time, i.e. is not
+    inside an ``if __name__ == "__main__":`` block (nor a function or class body); else
+    None."""
+    tree = ast.parse(source)
+    for node in tree.body:
+        if not node.lineno <= lineno <= (node.end_lineno or node.lineno):
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            return None
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            in_body = any(n.lineno <= lineno <= (n.end_lineno or n.lineno) for n in node.body)
+            return None if in_body else lineno
+        return lineno
+    return lineno
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """``__name__ == "__main__"``, either way round."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return False
+    sides = {ast.dump(test.left), ast.dump(test.comparators[0])}
+    name = ast.dump(ast.Name("__name__", ast.Load()))
+    return isinstance(test.ops[0], ast.Eq) and sides == {name, ast.dump(ast.Constant("__main__"))}
 
 
 def stop_workers(workers: list[WorkerHandle], graceful: bool = True) -> None:

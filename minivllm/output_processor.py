@@ -45,6 +45,10 @@ class OutputProcessor:
         # (None for the first, which nothing predicts).
         self.logprobs: dict[str, SampleLogprobs] = {}
         self.prompt_logprobs: dict[str, PromptLogprobs] = {}
+        # DELTA requests whose prompt logprobs went out (with their first output). Kept
+        # until the request ends: a preempted request's recomputed prompt gives its rows
+        # again, to be recognised as already kept, not sent twice.
+        self.prompt_logprobs_sent: set[str] = set()
 
     def add_request(self, seq: Sequence) -> None:
         params = seq.sampling_params
@@ -63,6 +67,7 @@ class OutputProcessor:
         self.stop_token_ids.pop(request_id, None)
         self.logprobs.pop(request_id, None)
         self.prompt_logprobs.pop(request_id, None)
+        self.prompt_logprobs_sent.discard(request_id)
 
     def process(
         self, seq: Sequence, runner_output: ModelRunnerOutput, now: float, counts: TokenCounts
@@ -197,11 +202,14 @@ class OutputProcessor:
             # A stop may have dropped the step's tokens after it: they have no place.
             num_output_tokens = seq.num_output_tokens
             logprobs = logprobs[num_output_tokens - num_tokens : num_output_tokens]
-        delta = seq.sampling_params.output_kind is RequestOutputKind.DELTA
-        if finished or delta:
-            prompt_logprobs = self.prompt_logprobs.pop(request_id, None)
-        else:
-            prompt_logprobs = self.prompt_logprobs.get(request_id)
+        prompt_logprobs = self.prompt_logprobs.get(request_id)
+        if seq.sampling_params.output_kind is RequestOutputKind.DELTA:
+            if request_id in self.prompt_logprobs_sent:
+                prompt_logprobs = None
+            elif prompt_logprobs is not None:
+                self.prompt_logprobs_sent.add(request_id)
         if finished:
             self.logprobs.pop(request_id, None)
+            self.prompt_logprobs.pop(request_id, None)
+            self.prompt_logprobs_sent.discard(request_id)
         return logprobs, prompt_logprobs

@@ -31,7 +31,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None: running
     stop_reason: str | int | None = None  # the stop string or stop token id that fired
     logprobs: SampleLogprobs | None = None  # one dict per token id, if the request asked
     cumulative_logprob: float | None = None  # beam search: the sum of its tokens' logprobs
@@ -50,6 +50,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache, not computed
     prompt_logprobs: PromptLogprobs | None = None  # if the request asked (DELTA: once)
+    error: str | None = None  # finish_reason "error": what went wrong
 
 
 @dataclass

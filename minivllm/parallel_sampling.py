@@ -131,6 +131,10 @@ class ParentRequests:
             return None  # a child id is a request of its own
         return any([self.engine.abort_request(c) for c in parent.child_ids])
 
+    def owner(self, request_id: str) -> str | None:
+        parent = self.parent_of.get(request_id)
+        return parent.request_id if parent is not None else None
+
     @property
     def in_lockstep(self) -> bool:
         return False

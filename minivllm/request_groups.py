@@ -42,6 +42,9 @@ class RequestGroups(Protocol):
         """Abort a group: True if it was in flight, False for a member's id (not a request
         of its own), None if the id is none of this kind's."""
 
+    def owner(self, request_id: str) -> str | None:
+        """The id of the group whose member ``request_id`` is, or None."""
+
     @property
     def in_lockstep(self) -> bool:
         """Whether the next step needs this one's output to be scheduled (no overlap)."""
@@ -71,6 +74,14 @@ class RequestGroupSet:
         for groups in self.kinds.values():
             outputs = groups.after_step(outputs, now)
         return outputs
+
+    def owner(self, request_id: str) -> str:
+        """The id a caller waits on for ``request_id``: its group's, or its own."""
+        for groups in self.kinds.values():
+            owner = groups.owner(request_id)
+            if owner is not None:
+                return owner
+        return request_id
 
     def abort(self, request_id: str) -> bool | None:
         for groups in self.kinds.values():

@@ -21,6 +21,11 @@ MAX_STOP_STRING_CHARS = 256
 # vLLM's (and OpenAI's) ranges.
 PENALTY_RANGE = (-2.0, 2.0)  # frequency_penalty, presence_penalty
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# A seen token's positive logit is divided by repetition_penalty: a penalty near 0 makes it
+# +inf (from ~1e-38 in float32), every such token ties at +inf and the softmax gives NaN.
+# From 0.01 a logit grows at most 100x and stays finite, so the top token survives.
+MIN_REPETITION_PENALTY = 0.01
+MAX_LENGTH_PENALTY_DECADES = 30  # see BeamSearchParams
 # vLLM's default ``max_logprobs`` (OpenAI's chat ``top_logprobs`` allows as many).
 MAX_LOGPROBS = 20
 
@@ -175,9 +180,10 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     def _validate_penalties(self) -> None:
-        if not 0 < self.repetition_penalty < math.inf:
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty < math.inf:
             raise ValueError(
-                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"
+                f"repetition_penalty must be finite and >= {MIN_REPETITION_PENALTY} (1 is "
+                f"none), got {self.repetition_penalty}"
             )
         low, high = PENALTY_RANGE
         for name in ("frequency_penalty", "presence_penalty"):
@@ -286,3 +292,17 @@ class BeamSearchParams:
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        # A score divides cum_logprob by num_tokens ** length_penalty in float32: keep that
+        # factor within 1e+-30 at any length up to max_tokens, which leaves the sum of the
+        # logprobs 8 decades before the score overflows (or every score flushes to -0.0).
+        bound = (
+            MAX_LENGTH_PENALTY_DECADES / math.log10(self.max_tokens)
+            if self.max_tokens > 1
+            else math.inf
+        )
+        if not abs(self.length_penalty) <= bound:
+            raise ValueError(
+                f"length_penalty must be in [-{bound:.2f}, {bound:.2f}] for max_tokens="
+                f"{self.max_tokens} (max_tokens ** length_penalty must stay within "
+                f"1e+-{MAX_LENGTH_PENALTY_DECADES} in float32), got {self.length_penalty}"
+            )

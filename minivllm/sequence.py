@@ -32,6 +32,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # the caller aborted it
+    ERROR = "error"  # it failed inside a step (vLLM's): it alone, the others go on
 
 
 @dataclass

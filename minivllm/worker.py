@@ -76,7 +76,7 @@ class Worker:
         dtype = config.torch_dtype
         model, _ = load_model(
             resolve_model_path(config.model), checked_backend(config)(), dtype, self.device,
-            self.tp,
+            self.tp, config.quantization,
         )  # fmt: skip
         self.model_runner = ModelRunner(
             model, num_kv_blocks, config.block_size, dtype, self.device, eos_token_ids, size

@@ -28,7 +28,7 @@ def llm(tiny_llama_path):
         ({"stop_token_ids": [-1]}, r"stop_token_ids .* \[-1\]"),
         ({"stop": ["w"] * 129}, "stop has 129 strings, more than the 128 allowed"),
         ({"stop": ["w" * 257]}, "stop strings may have at most 256 characters, got one of 257"),
-        ({"repetition_penalty": -1.0}, "repetition_penalty must be finite and > 0"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty must be finite and >= 0.01"),
         ({"frequency_penalty": -2.01}, "frequency_penalty must be in"),
         ({"logit_bias": {3: -100.5}}, "logit_bias maps token ids"),
     ],

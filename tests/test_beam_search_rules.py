@@ -380,3 +380,22 @@ def test_the_group_decides_only_once_every_beam_has_reported_and_never_after_the
     assert group.finished and group.ready  # no beam left: nothing to wait for
     with pytest.raises(AssertionError):
         group.step(now=0.0)
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "length_penalty", "ok"),
+    [(16, 24.9, True), (16, 25.0, False), (16, -24.9, True), (8192, 7.6, True),
+     (8192, 7.7, False), (8192, 1000.0, False), (1, 1e300, True), (512, 2.0, True)],
+)  # fmt: skip
+def test_length_penalties_that_would_overflow_are_refused_up_front(max_tokens, length_penalty, ok):
+    """``num_tokens ** length_penalty`` must stay within 1e+-30 at any length up to
+    max_tokens: beyond, 1000 raised OverflowError inside a step (failing every request
+    sharing it), and smaller values overflowed float32 (every score -0.0)."""
+    if ok:
+        BeamSearchParams(2, max_tokens, length_penalty=length_penalty)
+        factor = np.float32(float(max_tokens) ** abs(length_penalty)) if max_tokens > 1 else 1
+        assert np.isfinite(factor) and factor * np.float32(1e8) < np.finfo(np.float32).max
+    else:
+        with pytest.raises(ValueError, match=rf"length_penalty must be in \[-.*for max_tokens="
+                           rf"{max_tokens} .*got {length_penalty}"):  # fmt: skip
+            BeamSearchParams(2, max_tokens, length_penalty=length_penalty)

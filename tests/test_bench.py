@@ -200,3 +200,24 @@ def test_bench_kv_cache_memory_takes_units(tiny_llama_path, tmp_path):
 def test_bench_rejects_a_bad_memory_size(tiny_llama_path, capsys):
     assert main(["bench", "--model", str(tiny_llama_path), "--kv-cache-memory", "lots"]) == 2
     assert "bad memory size 'lots'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_no_measured_step_carries_a_warm_up_request(tiny_llama_path, async_scheduling):
+    """With async scheduling the warm-up's last step is still in flight when its requests
+    are done: the run drains it before measuring, so every measured step holds only the
+    workload's requests, and the first one starts after the measurement does."""
+    w = workloads.synthetic(
+        4, LengthDistribution.parse("8"), LengthDistribution.parse("5"), (3, 256)
+    )
+    config = EngineConfig(
+        model=str(tiny_llama_path), num_kv_blocks=64, max_model_len=64,
+        attention_backend="torch", async_scheduling=async_scheduling,
+    )  # fmt: skip
+    run = run_engine(config, w, progress=False)
+    workload_ids = {r.request_id for r in w.requests}
+    for step in run.steps:
+        ids = {*step.prefill_ids, *step.decode_ids, *step.preempted_ids}
+        assert ids <= workload_ids, ids - workload_ids
+    assert run.steps[0].start_time >= run.start_time
+    assert sum(s.num_generation_tokens for s in run.steps) == 4 * 5

@@ -268,7 +268,12 @@ def test_drafts_are_verified_against_the_biased_distribution():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"repetition_penalty": 0}, "repetition_penalty must be finite and > 0, got 0"),
+        (
+            {"repetition_penalty": 0},
+            r"repetition_penalty must be finite and >= 0.01 \(1 is none\), got 0",
+        ),
+        ({"repetition_penalty": 1e-39}, "repetition_penalty must be finite and >= 0.01"),
+        ({"repetition_penalty": 0.0099}, "repetition_penalty must be finite and >= 0.01"),
         ({"repetition_penalty": float("nan")}, "repetition_penalty"),
         ({"frequency_penalty": 2.5}, r"frequency_penalty must be in \[-2.0, 2.0\], got 2.5"),
         ({"presence_penalty": -3}, "presence_penalty must be in"),
@@ -291,3 +296,17 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm, field):
     with pytest.raises(ValueError, match=rf"{field} has token ids \[300\] outside the vocab"):
         llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(**{field: value}))
     assert _generate(llm, [[1, 2]], SamplingParams(max_tokens=2))  # still serving
+
+
+def test_the_smallest_repetition_penalty_keeps_the_top_token():
+    """At the smallest allowed penalty, seen tokens' logits grow 100x but stay finite: the
+    probabilities are a distribution and greedy picks the largest penalized logit (below
+    it, a seen logit of 1 became +inf, ties gave NaN, and token 0 came out)."""
+    from minivllm.sampling_params import MIN_REPETITION_PENALTY
+
+    logits = torch.tensor([[0.5, 30.0, -4.0, 29.0, 1e30]], dtype=torch.float32)
+    params = [SamplingParams(repetition_penalty=MIN_REPETITION_PENALTY)]
+    out = apply_penalties(logits, params, [[1, 3]], [[2]])
+    assert torch.isfinite(out).all()
+    assert out[0].tolist() == pytest.approx([0.5, 3000.0, -0.04, 2900.0, 1e30], rel=1e-6)
+    assert int(out.argmax()) == 4

@@ -43,7 +43,9 @@ def engine(tmp_path_factory):
 
 
 def test_counters_equal_the_requests_usage(engine):
-    async_llm = SimpleNamespace(engine=engine, step_listeners=[], abort_listeners=[])
+    async_llm = SimpleNamespace(
+        engine=engine, step_listeners=[], abort_listeners=[], error_listeners=[]
+    )
     metrics = ServerMetrics(async_llm, "tiny")
     prompts = {str(i): SHARED_PREFIX + [30 + i, 40 + i] for i in range(6)}
     finals, seqs, num_steps = {}, {}, 0

@@ -4,8 +4,10 @@ A hypothesis `RuleBasedStateMachine` drives the real `LLMEngine` (its `Scheduler
 `KVCacheManager`, `BlockAllocator`, input and output processors) and the real
 `ModelRunner.prepare_inputs`, through random arrivals (``n > 1`` requests too: children
 sharing their prompt's blocks; beam searches: beams forked, sharing blocks copy-on-write,
-dropped and preempted), aborts (of a parent: all its children; of a beam search: all its
-beams) and steps, with random block
+dropped and preempted; requests that stream (DELTA), report cumulatively or once, with
+logprobs and prompt logprobs, whose outputs are checked at their end however often they
+were preempted and recomputed), aborts (of a parent: all its children; of a beam search:
+all its beams) and steps, with random block
 sizes, pool sizes, token budgets, ``max_num_seqs``, and prefix caching on or off. Only the
 executor is fake and instant (`FakeExecutor`): what it "writes" into a cache slot is a
 fingerprint of the token prefix ending there, and before sampling it reads back every
@@ -46,7 +48,7 @@ from minivllm.logprobs import compute_logprobs
 from minivllm.model_info import ModelInfo
 from minivllm.model_runner import ModelRunner
 from minivllm.outputs import ModelRunnerOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.scheduler_output import SchedulerOutput
 from minivllm.sequence import FinishReason, Sequence, SequenceStatus
 from minivllm.utils import cdiv
@@ -103,7 +105,7 @@ class FakeExecutor(ModelRunner):
         input_ids, positions = input_ids.tolist(), positions.tolist()
         slot_mapping = metadata.slot_mapping.tolist()
         starts = metadata.cu_seqlens_q.tolist()
-        sampled, logprobs = {}, {}
+        sampled, logprobs, prompt_logprobs = {}, {}, {}
         # Like every layer of the real model: the whole step's writes, then the reads (a
         # request admitted in this step may read blocks another one writes in it).
         fingerprints_of = {}
@@ -120,20 +122,31 @@ class FakeExecutor(ModelRunner):
             fingerprints = fingerprints_of[i]
             self._read_context(seq, metadata.block_tables[i].tolist(), fingerprints, chunk)
             assert chunk.sample == (chunk.context_len == seq.num_tokens + chunk.num_draft_tokens)
+            if chunk.prompt_logprob_token_ids:  # random rows for the prompt tokens it covers
+                targets = chunk.prompt_logprob_token_ids
+                prompt_logprobs[seq.request_id] = (chunk.start_position + 1, self._random_rows(
+                    targets, chunk.sampling_params.prompt_logprobs))  # fmt: skip
             if chunk.sample:
                 # Accept a random prefix of the drafts, then sample one more token.
                 num_accepted = self.rng.randint(0, chunk.num_draft_tokens)
                 is_eos = self.rng.random() < self.eos_prob
                 new_token = EOS if is_eos else self.rng.randrange(1, VOCAB)
                 sampled[seq.request_id] = chunk.draft_token_ids[:num_accepted] + [new_token]
-                if chunk.sampling_params.logprobs is not None:  # a beam: random logprobs
+                num_top = chunk.sampling_params.logprobs
+                if num_top is not None and seq.request_id.startswith("beam"):
                     logits = torch.tensor([[8 * self.rng.random() for _ in range(VOCAB)]])
                     sampled[seq.request_id] = [int(logits.argmax())]
                     logprobs[seq.request_id] = compute_logprobs(
-                        logits, sampled[seq.request_id],
-                        [min(chunk.sampling_params.logprobs, VOCAB)],
-                    )  # fmt: skip
-        return ModelRunnerOutput(sampled, logprobs)
+                        logits, sampled[seq.request_id], [min(num_top, VOCAB)]
+                    )
+                elif num_top is not None:  # asked for logprobs: no drafts, one token
+                    assert len(sampled[seq.request_id]) == 1
+                    logprobs[seq.request_id] = self._random_rows(sampled[seq.request_id], num_top)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _random_rows(self, targets: list[int], num_top: int):
+        logits = torch.tensor([[8 * self.rng.random() for _ in range(VOCAB)] for _ in targets])
+        return compute_logprobs(logits, targets, [min(num_top, VOCAB)] * len(targets))
 
     def _copy_blocks(self, blocks_to_copy):
         """Copy-on-write: every source read before any target is written, as the runner."""
@@ -201,6 +214,7 @@ class EngineUnderTest:
         self.children: dict[str, list[Sequence]] = {}  # n > 1: parent id -> its children
         self.beam_searches: dict[str, BeamSearchParams] = {}  # beam search: id -> params
         self.beam_outputs: dict[str, object] = {}  # finished beam searches' outputs
+        self.reports: dict[str, list] = {}  # requests with a reporting kind: their outputs
 
     def record_decision_before_update(self) -> None:
         """Keep a deep copy of each step's decision as the model saw it, taken just before
@@ -214,17 +228,27 @@ class EngineUnderTest:
         self.engine.scheduler.update_from_output = recording
 
     def add(
-        self, request_id, prompt: list[int], max_tokens: int, min_tokens=0, stop_token_ids=()
-    ) -> Sequence:
+        self, request_id, prompt: list[int], max_tokens: int, min_tokens=0, stop_token_ids=(),
+        reporting=None,
+    ) -> Sequence:  # fmt: skip
+        """``reporting``: None (FINAL_ONLY, no logprobs) or (output kind, logprobs,
+        prompt_logprobs); every output of such a request is kept and checked at its end."""
+        kind, num_logprobs, num_prompt_logprobs = reporting or (RequestOutputKind.FINAL_ONLY,
+                                                                None, None)  # fmt: skip
         params = SamplingParams(
             temperature=0,
             max_tokens=max_tokens,
             min_tokens=min(min_tokens, max_tokens),
             stop_token_ids=list(stop_token_ids),
+            output_kind=kind,
+            logprobs=num_logprobs,
+            prompt_logprobs=num_prompt_logprobs,
         )
         self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
         seq = self.requests[str(request_id)]
         self.arrival_order[seq] = len(self.arrival_order)
+        if reporting is not None:
+            self.reports[seq.request_id] = []
         return seq
 
     def add_parallel(self, request_id, prompt: list[int], n: int, max_tokens: int) -> list:
@@ -290,9 +314,14 @@ class EngineUnderTest:
         for seq in done:
             check_stop_rules(seq, self.max_model_len)
         for output in outputs:
+            if output.request_id in self.reports:
+                self.reports[output.request_id].append(output)
             if output.request_id in ended:
                 check_beam_output(output, self.beam_searches[output.request_id])
                 self.beam_outputs[output.request_id] = output
+        for seq in done:
+            if seq.request_id in self.reports:
+                check_reports(seq, self.reports.pop(seq.request_id))
         self.finished += done
         # Dropped beams are finished; forked ones are new sequences of their search.
         live = set(self.live_beams())
@@ -419,6 +448,34 @@ def check_beam_output(output, params: BeamSearchParams) -> None:
     )
 
 
+def check_reports(seq: Sequence, outputs: list) -> None:
+    """What a finished request reported, however often it was preempted and recomputed:
+    DELTA, each output token once and with it its logprobs row, the prompt's logprobs in
+    one output, whole; CUMULATIVE, every output whole so far; FINAL_ONLY, one output."""
+    params = seq.sampling_params
+    kind, tokens = params.output_kind, seq.output_token_ids
+    assert outputs and outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    completions = [o.outputs[0] for o in outputs]
+    if kind is RequestOutputKind.DELTA:
+        assert [t for c in completions for t in c.token_ids] == tokens
+        rows = [r for c in completions for r in (c.logprobs or [])]
+    else:
+        assert completions[-1].token_ids == tokens
+        rows = completions[-1].logprobs or []
+        if kind is RequestOutputKind.FINAL_ONLY:
+            assert len(outputs) == 1
+    if params.logprobs is not None:
+        assert len(rows) == len(tokens) and all(t in row for t, row in zip(tokens, rows))
+    if params.prompt_logprobs is not None:
+        sent = [o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None]
+        assert len(sent) == (1 if kind is not RequestOutputKind.CUMULATIVE else len(outputs))
+        assert len(sent[0]) == seq.num_prompt_tokens and sent[0][0] is None
+        for token, row in zip(seq.prompt_token_ids[1:], sent[0][1:]):
+            assert token in row
+    else:
+        assert all(o.prompt_logprobs is None for o in outputs)
+
+
 def check_stop_rules(seq: Sequence, max_model_len: int) -> None:
     """A request stops at its first EOS or stop token id from ``min_tokens`` on, and
     otherwise runs to its length limit. (The fake model samples EOS whenever it likes: the
@@ -459,6 +516,17 @@ REQUEST = st.tuples(
     st.integers(1, 16),
     st.sampled_from([0, 0, 2, 5]),
     st.sampled_from([(), (), (1,), (2, 3)]),
+    # How it reports: see EngineUnderTest.add (DELTA: streamed, as over HTTP).
+    st.sampled_from(
+        [
+            None,
+            (RequestOutputKind.DELTA, None, 1),
+            (RequestOutputKind.DELTA, 1, 0),
+            (RequestOutputKind.DELTA, 2, 2),
+            (RequestOutputKind.CUMULATIVE, 1, 1),
+            (RequestOutputKind.FINAL_ONLY, None, 2),
+        ]
+    ),
 )
 # Requests the engine must refuse, leaving everything as it was.
 BAD_REQUEST = st.sampled_from(
@@ -509,13 +577,21 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(requests=st.lists(REQUEST, min_size=1, max_size=4))
     def add_requests(self, requests):
-        for shared_prefix, prefix_len, suffix_len, max_tokens, min_tokens, stops in requests:
+        for (
+            shared_prefix,
+            prefix_len,
+            suffix_len,
+            max_tokens,
+            min_tokens,
+            stops,
+            reporting,
+        ) in requests:
             prefix = [] if shared_prefix is None else self.shared_prefixes[shared_prefix]
             prompt = prefix[:prefix_len] + [self.rng.randrange(VOCAB) for _ in range(suffix_len)]
             # What the input processor accepts: 1 .. max_model_len tokens.
             prompt = (prompt or [1])[: self.engine.max_model_len]
             # Ids are ints: the engine keeps them as str, and abort takes either.
-            self.engine.add(self.num_added, prompt, max_tokens, min_tokens, stops)
+            self.engine.add(self.num_added, prompt, max_tokens, min_tokens, stops, reporting)
             self.num_added += 1
 
     @rule(
@@ -632,6 +708,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             REACHED["child preempted"] += 1
         if any(seq.request_id in beams for seq in scheduled.preempted):
             REACHED["beam preempted"] += 1
+        delta = RequestOutputKind.DELTA
+        if any(
+            s.sampling_params.output_kind is delta
+            and s.sampling_params.prompt_logprobs is not None
+            and s.num_output_tokens > 0  # its prompt's logprobs went out: recomputed now
+            for s in scheduled.preempted
+        ):
+            REACHED["streamed request with prompt logprobs preempted"] += 1
         if scheduled.blocks_to_copy:
             event("copy-on-write")
             REACHED["copy-on-write"] += 1
@@ -669,6 +753,7 @@ def test_scheduler_machine():
     assert REACHED["preemption"] > 0 and REACHED["chunked prefill"] > 0, REACHED
     assert REACHED["sibling shares the prompt"] > 0, REACHED
     assert REACHED["copy-on-write"] > 0 and REACHED["beam search finished"] > 0, REACHED
+    assert REACHED["streamed request with prompt logprobs preempted"] > 0, REACHED
     # A preempted child is reached by most runs but not all (one full-suite run saw none),
     # so it is pinned down deterministically instead: test_parallel_sampling.py's
     # test_preempting_children_never_corrupts_a_siblings_shared_blocks.
@@ -776,3 +861,17 @@ def test_engine_matches_transformers_across_block_boundaries(
     assert sum(o.num_cached_tokens for o in outputs) > 0
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf_tiny_llama, prompt, params.max_tokens)
+
+
+def test_a_streamed_request_with_prompt_logprobs_survives_recompute():
+    """A DELTA request hands its prompt logprobs out with its first output; preempted
+    after that, its recomputed prompt gives the rows again. They were looked up in the
+    dict the hand-out had emptied: KeyError out of engine.step(), the step half-done."""
+    engine = EngineUnderTest(6, 2, 2, 64, False, random.Random(0), eos_prob=0)
+    reporting = (RequestOutputKind.DELTA, 1, 1)
+    seqs = [engine.add(i, [1, 2, 3, 1], 8, reporting=reporting) for i in range(2)]
+    engine.run_to_completion(after_step=lambda _: check_sequences(engine))
+    assert engine.scheduler.num_preemptions > 0
+    assert any(s.metrics.num_preemptions for s in seqs)
+    assert [s.num_output_tokens for s in seqs] == [8, 8]
+    assert engine.reports == {}  # each was checked at its end (check_reports)

@@ -372,38 +372,11 @@ def test_unknown_model_is_404(server):
     )
     assert reply.status_code == 404
     assert reply.json()["error"] == {
-        "message": "The model `gpt-9` does not exist.",
+        "message": f"The model `gpt-9` does not exist. Served: `{MODEL_NAME}`.",
         "type": "NotFoundError",
         "param": "model",
         "code": 404,
     }
-
-
-def test_failing_request_fails_alone(server, client, monkeypatch):
-    """An exception while stepping a request fails it (in-band once its stream started);
-    the server keeps serving."""
-    engine = server.async_llm.engine
-    real_step = engine.step
-    poisoned = {"armed": True}
-
-    def step():
-        outputs = real_step()
-        if poisoned["armed"] and outputs:
-            poisoned["armed"] = False
-            raise RuntimeError("simulated fault")
-        return outputs
-
-    monkeypatch.setattr(engine, "step", step)
-    body = {"model": MODEL_NAME, "prompt": "w9", "max_tokens": 5, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as reply:
-        events = [line for line in reply.iter_lines() if line]
-    assert reply.status_code == 200
-    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 500
-    assert events[-1] == "data: [DONE]"
-    assert httpx.get(server.url + "/health").status_code == 200
-    reply = client.completions.create(model=MODEL_NAME, prompt="w9", max_tokens=5)
-    assert reply.usage.completion_tokens >= 1
-    assert _wait_until_idle(server)["num_free_blocks"] == ENGINE_OPTIONS["num_kv_blocks"]
 
 
 # --- the process: SIGTERM / SIGINT ------------------------------------------------------------

@@ -89,3 +89,20 @@ def test_what_beam_search_does_not_read_is_refused(server, fields, param):
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["type"] == "BadRequestError" and error["param"] == param, error
+
+
+def test_a_length_penalty_that_would_overflow_is_a_400_and_others_still_run(client, llm):
+    """length_penalty 1000 raised OverflowError inside the step, failing every request
+    that shared it; now it is refused before any work, naming the field."""
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, n=2, max_tokens=5,
+            extra_body=BEAMS | {"length_penalty": 1000},
+        )  # fmt: skip
+    body = error.value.response.json()["error"]
+    assert body["param"] == "length_penalty" and body["code"] == 400
+    assert "for max_tokens=5" in body["message"]
+    reply = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, n=2, max_tokens=5, extra_body=BEAMS
+    )
+    assert [c.text for c in reply.choices] == offline_beams(llm, PROMPT, 2, 5)

@@ -236,6 +236,19 @@ def test_metrics_before_any_draft_are_zero_not_a_division_error():
         "spec_decode_mean_acceptance_length": 0.0,
         "spec_decode_acceptance_rate_per_pos": [0.0, 0.0],
     }
+    # No draft: no "Mean acceptance length: 0.00" (no measurement shown as one) in the
+    # printed line, and the server's periodic log has no line at all, as vLLM's.
+    assert "Mean acceptance length" not in stats.log_line()
+    assert "no drafts proposed yet" in stats.log_line()
+    from minivllm.entrypoints.stats_logger import read_step
+    from minivllm.stats import StepStats
+
+    step = StepStats(0.0, 1.0, 8, 1, 0, 2, 1, 0, 4, 9, [], ["a"], [], [])
+    step.spec_decoding = stats
+    assert read_step(step).spec_decode_line is None
+    stats.observe_draft(2, 1)
+    assert read_step(step).spec_decode_line == stats.log_line()
+    assert "Mean acceptance length: 2.00" in stats.log_line()  # 1 + 1 accepted / 1 draft
 
 
 def test_metrics_since_a_snapshot_count_only_what_came_after():

@@ -124,7 +124,8 @@ def test_a_worker_that_raises_mid_step_is_reported_and_all_stop(tiny_llama_path)
 
 def test_bad_splits_are_refused_before_any_process_starts(tiny_llama_path, monkeypatch):
     with pytest.raises(ValueError, match="4 attention heads must be divisible by "
-                       "tensor_parallel_size=3"):  # fmt: skip
+                       "tensor_parallel_size=3; tensor_parallel_size 1, 2, 4 would work "
+                       "for this model$"):  # fmt: skip
         LLM(str(tiny_llama_path), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
         EngineConfig(tensor_parallel_size=0)
@@ -134,6 +135,21 @@ def test_bad_splits_are_refused_before_any_process_starts(tiny_llama_path, monke
                        "sees 1"):  # fmt: skip
         EngineConfig(device="cuda", tensor_parallel_size=2)
     assert multiprocessing.active_children() == []
+
+
+def test_the_bundled_models_refusal_names_the_sizes_that_work(smollm2_path):
+    """SmolLM2-135M: 9 heads, 3 KV heads, an MLP of 1,536 (not divisible by 9): the
+    `-tp 2` a vLLM user types is refused with the sizes that would work."""
+    from minivllm.models.loader import load_model_config
+    from minivllm.multiproc_executor import check_split, working_split_sizes
+
+    model_config, _ = load_model_config(smollm2_path)
+    assert working_split_sizes(model_config) == [1, 3]
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2; tensor_parallel_size 1, 3 "):
+        check_split(model_config, 2)
+    with pytest.raises(ValueError, match=r"intermediate_size=1536 must be divisible by "
+                       r"tensor_parallel_size=9; tensor_parallel_size 1, 3 "):  # fmt: skip
+        check_split(model_config, 9)
 
 
 @pytest.mark.slow  # SmolLM2 on three ranks of two cores: about a minute or two
@@ -188,3 +204,118 @@ def test_server_with_two_ranks_answers_openai_and_ctrl_c_leaves_no_process(tiny_
         if server.poll() is None:
             server.kill()
     assert_all_gone(pids)
+
+
+def test_the_docs_tp_examples_run_with_the_bundled_model(smollm2_path):
+    """Every `-tp N` / `tensor_parallel_size=N` the README and the chapter give for the
+    bundled model (not the simulator's, which models other hardware) is a size it splits
+    into."""
+    import re
+    from pathlib import Path
+
+    from minivllm.models.loader import load_model_config
+    from minivllm.multiproc_executor import working_split_sizes
+
+    sizes = working_split_sizes(load_model_config(smollm2_path)[0])
+    root = Path(__file__).parent.parent
+    pages = [root / "README.md", *sorted((root / "docs/tutorial").glob("tensor-parallelism*.md"))]
+    found = []
+    for page in pages:
+        for line in page.read_text().splitlines():
+            if "simulate" in line or "--tp " in line:
+                continue
+            for match in re.finditer(r"(?:-tp |tensor_parallel_size=)(\d+)", line):
+                found.append((page.name, int(match.group(1))))
+    assert len(found) >= 5, found
+    assert [f for f in found if f[1] not in sizes] == []
+
+
+SCRIPT = """\
+from minivllm import LLM
+
+def build():
+    return LLM({path!r}, tensor_parallel_size=2, attention_backend="torch")
+
+{call}
+"""
+
+
+@pytest.mark.parametrize("call", ["llm = build()", "if True:\n    llm = build()"])
+def test_a_script_without_a_main_guard_is_told_in_one_line(tiny_llama_path, tmp_path, call):
+    """Workers spawn and import the script again: a script that starts them at top level
+    is refused before any process starts, in one line naming the fix (it used to print a
+    page of multiprocessing traceback per worker)."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(SCRIPT.format(path=str(tiny_llama_path), call=call))
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"RuntimeError: {script}:") and 'if __name__ == "__main__":' in last
+    assert len(done.stderr.splitlines()) < 40, done.stderr  # one traceback, not one per worker
+    assert "bootstrapping" not in done.stderr
+
+
+def test_the_main_guard_check_reads_the_script():
+    from minivllm.multiproc_executor import unguarded_line
+
+    source = (
+        "import x\n"  # 1
+        "llm = x.LLM()\n"  # 2
+        "def f():\n"  # 3
+        "    return x.LLM()\n"  # 4
+        "if __name__ == '__main__':\n"  # 5
+        "    f()\n"  # 6
+        "else:\n"  # 7
+        "    f()\n"  # 8
+        "if '__main__' == __name__:\n"  # 9
+        "    f()\n"  # 10
+        "if __name__ != '__main__':\n"  # 11
+        "    f()\n"  # 12
+    )
+    assert [unguarded_line(source, n) for n in (2, 4, 6, 8, 10, 12)] == [2, None, None, 8, None, 12]
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_rank_that_answers_a_step_with_an_error_fails_it_even_when_the_others_replied(
+    failing_rank,
+):
+    """The executor's side of a step, with stand-in workers (sleeping processes whose
+    pipes the test answers for them): every other rank replies, one rank answers with its
+    exception. The step fails naming that rank, its pid and its traceback, and every
+    worker is stopped."""
+    import multiprocessing as mp
+    import weakref
+
+    from minivllm.multiproc_executor import MultiprocExecutor, WorkerHandle, stop_workers
+    from minivllm.worker import WorkerError, WorkerReply
+
+    context = mp.get_context("spawn")
+    workers, worker_ends = [], []
+    for rank in range(3):
+        engine_end, worker_end = context.Pipe()
+        process = context.Process(target=time.sleep, args=(60,), daemon=True)
+        process.start()
+        workers.append(WorkerHandle(rank, process, engine_end))
+        worker_ends.append(worker_end)
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor.workers = workers
+    executor._finalizer = weakref.finalize(executor, stop_workers, workers)
+    for rank, end in enumerate(worker_ends):  # the others first: they all replied
+        if rank != failing_rank:
+            end.send(WorkerReply())
+    traceback = 'Traceback (most recent call last):\n  File "x.py"\nValueError: boom'
+    worker_ends[failing_rank].send(WorkerError(failing_rank, traceback))
+    pid = workers[failing_rank].process.pid
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as error:
+        executor._receive(30, "running a step")
+    assert time.monotonic() - start < 10
+    message = str(error.value)
+    assert message.startswith(
+        f"tensor-parallel worker {failing_rank} (pid {pid}) raised while running a step:\n"
+    )
+    assert traceback in message and message.endswith("all 3 workers were stopped")
+    assert_all_gone([w.process.pid for w in workers])
+    assert not executor._finalizer.alive

@@ -112,6 +112,7 @@ def run_bench(args: argparse.Namespace) -> int:
     max_model_len = args.max_model_len or workload.max_request_len
     configs = [_engine_config(args, policy, max_model_len) for policy in policies]
     print(workload.describe(), file=sys.stderr)
+    _print_weights(configs[0], model_path)
 
     progress = not args.no_progress
     runs = [run_engine(config, workload, args.max_concurrency, progress) for config in configs]
@@ -162,6 +163,15 @@ def _run_over_http(args: argparse.Namespace, workload: Workload, model_path) -> 
     context = _context(args, None, workload, None, None)
     report.print_and_save([run], context, args.json, args.plot)
     return 0
+
+
+def _print_weights(config, model_path) -> None:
+    """The weights' format and bytes, before the runs (``--quantization``)."""
+    from minivllm.models.loader import load_model_config
+    from minivllm.quantization import weights_line
+
+    model_config, _ = load_model_config(model_path)
+    print(weights_line(config.quantization, model_config), file=sys.stderr)
 
 
 def _add_model_flops(runs, model_path) -> None:

@@ -139,7 +139,10 @@ def _warm_up(engine: LLMEngine, workload: Workload) -> None:
     prompt = {"prompt_token_ids": workload.requests[0].prompt_token_ids[:32]}
     for i in range(2):
         engine.add_request(f"warmup-{i}", prompt, exact_params(4))
-    while engine.has_unfinished_requests():
+    # With async scheduling a step is still in flight once the requests are done (it was
+    # scheduled before their last tokens were known): report it too, or the measured run
+    # would begin by reporting the warm-up.
+    while engine.has_unfinished_requests() or engine.in_flight is not None:
         engine.step()
     was_reset = engine.reset_prefix_cache()
     assert was_reset, "nothing is in flight after the warm-up"

@@ -42,8 +42,17 @@ T = TypeVar("T")
 PromptFactory = Callable[[], Prompt]  # builds the engine prompt on the engine thread
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed inside a step (the engine's finish_reason "error"); the engine
+    and the other requests go on. The server answers 500."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__(f"the engine failed on this request: {error}")
+
+
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped; no request can be served."""
+    """The engine thread has stopped; no request can be served (vLLM's
+    ``EngineDeadError``: the server answers 503, /health included)."""
 
 
 @dataclass
@@ -102,7 +111,14 @@ class AsyncLLM:
 
     ``step_listeners`` are called on the engine thread after every step with the step's
     `StepRecord` and its outputs (the metrics use this); ``abort_listeners`` with the id
-    of each request that was aborted. A listener that raises is logged, not fatal."""
+    of each request that was aborted; ``error_listeners`` with the id of each request
+    that ended with an error. A listener that raises is logged, not fatal.
+
+    An exception out of ``engine.step()`` is fatal, as in vLLM (the engine's state is
+    suspect, an executor may have lost a worker): every request in flight ends with an
+    `EngineDeadError` under the id its caller waits on (an ``n > 1`` parent, a beam
+    search), the thread stops (no retry loop, one logged traceback), and from then on
+    `is_alive` is False (/health answers 503) and every new request is refused."""
 
     def __init__(self, engine: LLMEngine, step_history: int = 300) -> None:
         self.engine = engine
@@ -111,11 +127,13 @@ class AsyncLLM:
         self.recent_steps: deque[StepRecord] = deque(maxlen=step_history)  # for the live page
         self.step_listeners: list[Callable[[StepRecord, list[RequestOutput]], None]] = []
         self.abort_listeners: list[Callable[[str], None]] = []
+        self.error_listeners: list[Callable[[str], None]] = []
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_up = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._num_steps = 0
         self._stopping = False
+        self.dead_error: EngineDeadError | None = None  # why the engine died, once it has
         # Graceful shutdown: no new requests; the engine aborts what is left at the deadline.
         self._accepting = True
         self._drain_deadline: float | None = None  # time.monotonic()
@@ -148,6 +166,8 @@ class AsyncLLM:
         (cheap work only: the server tokenizes on the tokenizer thread first, see
         `run_on_tokenizer_thread`, and passes token ids). After `begin_shutdown` every
         request is refused with EngineDeadError (a 503)."""
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         if not self._accepting:
@@ -156,6 +176,9 @@ class AsyncLLM:
         accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         def add() -> None:
+            if self.dead_error is not None:  # it died while this command was queued
+                _resolve(accepted, EngineDeadError(str(self.dead_error)))
+                return
             try:
                 engine_prompt = prompt() if callable(prompt) else prompt
                 if isinstance(params, BeamSearchParams):  # reported once, finished
@@ -189,7 +212,7 @@ class AsyncLLM:
 
         def abort() -> None:
             self._streams.pop(request_id, None)
-            if self.engine.abort_request(request_id):
+            if self.dead_error is None and self.engine.abort_request(request_id):
                 for listener in self.abort_listeners:
                     _call_logged(listener, request_id)
 
@@ -202,7 +225,7 @@ class AsyncLLM:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and not self._stopping and self.dead_error is None
 
     @property
     def num_steps(self) -> int:
@@ -241,14 +264,20 @@ class AsyncLLM:
             # so the wait below cannot miss it.
             self._wake_up.clear()
             self._apply_commands()
+            if self.dead_error is not None:  # dead: only answer commands, never step again
+                self._wake_up.wait()
+                continue
             deadline = self._drain_deadline
             if deadline is not None and time.monotonic() >= deadline and self._streams:
                 self._fail_all(EngineDeadError("the server shut down before this request finished"))
-            if not engine.has_unfinished_requests():
+            # Async scheduling leaves a step in flight after the last request is done:
+            # report it now, or the next request's first step would report it.
+            if not engine.has_unfinished_requests() and engine.in_flight is None:
                 self._wake_up.wait()  # idle: sleep, no busy loop
                 continue
             self._step()
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        if self.dead_error is None:
+            self._fail_all(EngineDeadError("the server is shutting down"))
 
     def _apply_commands(self) -> None:
         while True:
@@ -263,8 +292,13 @@ class AsyncLLM:
         try:
             outputs = engine.step()
         except Exception as e:
-            self._fail_step(e)
+            self._die(e)
             return
+        # A request that failed alone in the step (finish_reason "error") ends with an
+        # error for its caller; the others go on.
+        failed = [o for o in outputs if o.error is not None]
+        if failed:
+            outputs = [o for o in outputs if o.error is None]
         if engine.last_stats is not None:  # the step ran: the engine's snapshot of it
             self._num_steps += 1
             record = StepRecord(self._num_steps, engine.last_stats)
@@ -281,18 +315,27 @@ class AsyncLLM:
             if output.finished:
                 del self._streams[output.request_id]
         _deliver_threadsafe(deliveries)
-
-    def _fail_step(self, error: Exception) -> None:
-        """A step raised: fail the requests it held (their state is suspect), keep the
-        rest and the server going."""
-        logger.error("engine step failed:\n%s", traceback.format_exc())
-        scheduled = self.engine.last_step
-        ids = scheduled.prefill_ids + scheduled.decode_ids if scheduled else list(self._streams)
-        for request_id in ids:
-            self.engine.abort_request(request_id)
-            stream = self._streams.pop(request_id, None)
+        for output in failed:
+            stream = self._streams.pop(output.request_id, None)
             if stream is not None:
-                stream.put_threadsafe(RuntimeError(f"the engine failed on this request: {error}"))
+                stream.put_threadsafe(RequestFailedError(output.error))
+            for listener in self.error_listeners:
+                _call_logged(listener, output.request_id)
+
+    def _die(self, error: Exception) -> None:
+        """A step raised: the engine is dead (see the class docstring). Each stream is
+        keyed by the id its caller waits on, so ending every stream reaches ``n > 1``
+        parents and beam searches too, not only the ids the step scheduled."""
+        logger.error("engine step failed; the engine is dead:\n%s", traceback.format_exc())
+        self.dead_error = EngineDeadError(
+            f"the engine died ({type(error).__name__}: {error}); restart the server"
+        )
+        for request_id, stream in self._streams.items():
+            stream.put_threadsafe(self.dead_error)
+            for listener in self.error_listeners:
+                _call_logged(listener, request_id)
+        self._streams.clear()
+        self._wake_up.set()
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, stream in list(self._streams.items()):

@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 from minivllm.config import DTYPES, SCHEDULING_POLICIES, EngineConfig
+from minivllm.quantization import QUANTIZATION_METHODS
 from minivllm.sampling_params import SEED_RANGE
 
 
@@ -164,6 +165,7 @@ ENGINE_FLAG_OPTIONS: dict[str, dict] = {
     "seed": {"type": seed},
     "scheduling_policy": {"aliases": ("--policy",), "choices": SCHEDULING_POLICIES},
     "speculative_config": {"type": json_object},
+    "quantization": {"choices": QUANTIZATION_METHODS},
 }
 
 

@@ -28,7 +28,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 ITL_BUCKETS += [5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0]
 E2E_BUCKETS += [60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason strings
 
 
 class ServerMetrics:
@@ -79,6 +79,7 @@ class ServerMetrics:
         self._engine = engine
         async_llm.step_listeners.append(self.on_step)
         async_llm.abort_listeners.append(self.on_abort)
+        async_llm.error_listeners.append(self.on_error)
 
     def on_step(self, record: StepRecord, outputs: list[RequestOutput]) -> None:
         """Engine thread, after each step."""
@@ -99,6 +100,11 @@ class ServerMetrics:
         """Engine thread, between steps: the queues and the pool just changed."""
         self.request_success["abort"].inc()
         self._set_gauges(self._engine.make_stats())
+
+    def on_error(self, request_id: str) -> None:
+        """Engine thread: a request ended with an error (the engine died, or this request
+        failed alone)."""
+        self.request_success["error"].inc()
 
     def _set_gauges(self, stats: StepStats) -> None:
         self.num_running.set(stats.num_running)

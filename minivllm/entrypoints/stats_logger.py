@@ -48,8 +48,15 @@ def read_step(stats: StepStats) -> StepCounts:
         num_waiting=stats.num_waiting + stats.num_preempted,
         kv_cache_usage=stats.num_kv_blocks_used / max(stats.num_kv_blocks, 1),
         prefix_cache_hit_rate=stats.prefix_cache.hit_rate,
-        spec_decode_line=spec.log_line() if spec is not None else None,
+        # As vLLM's logger: no line until something was drafted.
+        spec_decode_line=spec.log_line() if spec is not None and spec.num_drafts else None,
     )
+
+
+def weights_line(quantization, model_config) -> str:
+    from minivllm.quantization import weights_line as line
+
+    return line(quantization, model_config)
 
 
 def startup_summary(engine: LLMEngine, model_name: str, url: str) -> list[str]:
@@ -60,6 +67,7 @@ def startup_summary(engine: LLMEngine, model_name: str, url: str) -> list[str]:
     lines = [
         f"Model: {model_name} ({config.model or 'bundled checkpoint'}), dtype {dtype}, "
         f"device {config.torch_device}, attention backend {config.attention_backend_name}",
+        weights_line(config.quantization, engine.model_config),
         f"KV cache: {engine.num_kv_blocks} blocks of {config.block_size} tokens = "
         f"{capacity:,} tokens; max_model_len {engine.max_model_len:,}",
         f"Maximum concurrency for {engine.max_model_len:,} tokens per request: "

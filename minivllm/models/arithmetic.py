@@ -16,6 +16,7 @@ too, or replicated when there are more ranks than KV heads; norms are replicated
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from minivllm.utils import cdiv
@@ -91,6 +92,62 @@ def num_parameters(config: ModelConfig, tp: int = 1) -> int:
     return (
         vocab_parameters(c, tp) + c.num_layers * layer_parameters(c, tp) + c.hidden_size + lm_head
     )
+
+
+# --- bytes per weight: the quantization formats ------------------------------------
+
+QUANTIZATION_METHODS = ("int8", "gguf")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """Bytes one weight takes in the layers' matrices and in the vocabulary matrix
+    (embedding / LM head), scales included (spread over their row or block)."""
+
+    layer_bytes: float
+    vocab_bytes: float
+    description: str
+
+
+def bytes_per_weight(quantization: str | None, dtype_bytes: int = 4) -> WeightFormat:
+    """A format's bytes per weight, as minivllm stores it (minivllm/quantization/)."""
+    if quantization is None:
+        return WeightFormat(dtype_bytes, dtype_bytes, f"{8 * dtype_bytes}-bit floats")
+    if quantization == "int8":
+        # One int8 per weight; one fp32 scale per row of hundreds of weights is < 1 %.
+        return WeightFormat(1.0, 1.0, "int8 per-channel weights, int8 per-row activations")
+    if quantization == "gguf":
+        # Q4_1: 16 bytes of 4-bit values + fp32 scale and minimum per 32 weights (24 / 32);
+        # Q8_0: 32 bytes + an fp32 scale per 32 (36 / 32). The file has fp16 scales (20 / 32,
+        # 34 / 32); minivllm widens them for numba (kernels/numba_gguf.py).
+        return WeightFormat(24 / 32, 36 / 32, "GGUF Q4_1 layers, Q8_0 embedding / LM head")
+    raise ValueError(
+        f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATION_METHODS)} or None"
+    )
+
+
+def weight_bytes(
+    config: ModelConfig,
+    dtype_bytes: int,
+    tp: int = 1,
+    quantization: str | None = None,
+    with_lm_head: bool = True,
+    with_embedding: bool = False,
+) -> int:
+    """Bytes of weights on one rank: the layers (matrices in the format, norms and biases
+    in ``dtype_bytes``), the final norm, and the vocabulary matrix as the LM head
+    (``with_lm_head``) and, if not tied to it, as the input embedding (``with_embedding``).
+    A decode step reads the layers and the LM head once; the embedding only a few rows."""
+    fmt = bytes_per_weight(quantization, dtype_bytes)
+    c = config
+    matrices = c.num_layers * layer_matmul_parameters(c, tp)
+    others = c.num_layers * (layer_parameters(c, tp) - layer_matmul_parameters(c, tp))
+    total = matrices * fmt.layer_bytes + (others + c.hidden_size) * dtype_bytes
+    vocab_matrices = with_lm_head + (with_embedding and not c.tie_word_embeddings)
+    if with_embedding and c.tie_word_embeddings and not with_lm_head:
+        vocab_matrices = 1
+    total += vocab_matrices * vocab_parameters(c, tp) * fmt.vocab_bytes
+    return round(total)
 
 
 # --- FLOPs ---------------------------------------------------------------------------

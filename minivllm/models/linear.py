@@ -47,16 +47,26 @@ def onednn_linear_available(weight: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose weight may be held in oneDNN's prepacked layout instead."""
+    """``nn.Linear`` whose weight may be held in oneDNN's prepacked layout instead, or,
+    with a ``quant_method`` (`minivllm.quantization`), in a quantized format that the
+    method owns, matmul included."""
 
     tied = False  # the input embedding reads this weight's rows (CausalLM.tie_weights)
+    quant_method = None  # a quantization LinearMethod, set by the loader before loading
+    quantized = False  # the method has processed the weights
 
     @property
     def is_prepacked(self) -> bool:
         return self.weight.is_mkldnn
 
     def process_weights_after_loading(self, prepack: bool = True) -> None:
-        """Prepack the weight for oneDNN if possible (``prepack=False``: back to row-major)."""
+        """Prepack the weight for oneDNN if possible (``prepack=False``: back to row-major).
+        A quantized layer hands its weight to its method, once."""
+        if self.quant_method is not None:
+            if not self.quantized:
+                self.quant_method.process_weights_after_loading(self)
+                self.quantized = True
+            return
         if prepack and self.is_prepacked:
             return  # once is enough (the loader prepacks a tied weight early)
         self._unpack()
@@ -78,6 +88,8 @@ class Linear(nn.Linear):
             self.weight = nn.Parameter(self.weight.to_dense())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            return self.quant_method.apply(self, x)
         if not self.weight.is_mkldnn:
             return F.linear(x, self.weight, self.bias)
         if x.dim() != 2:  # oneDNN's op takes rows: flatten the leading dimensions
@@ -134,7 +146,11 @@ def packed_rows(packed: torch.Tensor, dense: torch.Tensor) -> torch.Tensor | Non
 
 def weight_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of a weight matrix, ``[*ids.shape, in_features]``: an embedding lookup,
-    from the row-major matrix or in place from a prepacked one that has `packed_rows`."""
+    from the row-major matrix, in place from a prepacked one that has `packed_rows`, or
+    dequantized from a quantized layer's blocks (its placeholder's ``dequantize_rows``)."""
+    dequantize_rows = getattr(weight, "dequantize_rows", None)
+    if dequantize_rows is not None:
+        return dequantize_rows(ids)
     if not weight.is_mkldnn:
         return F.embedding(ids, weight)
     return _rows_of(weight.packed_rows, ids)

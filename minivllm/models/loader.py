@@ -10,11 +10,15 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from minivllm.attention import AttentionBackend
 from minivllm.distributed import TensorParallelGroup
+from minivllm.models.linear import Linear
 from minivllm.models.llama import CausalLM, ModelConfig, RotaryEmbedding
+from minivllm.models.model_files import find_gguf
+from minivllm.quantization import get_quantization_config
 
 # HF architecture name -> the switches that make our model that architecture.
 SUPPORTED_ARCHITECTURES = {
@@ -117,17 +121,34 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorParallelGroup | None = None,
+    quantization: str | None = None,
 ) -> tuple[CausalLM, PretrainedConfig]:
     """Build our model for the checkpoint at ``path`` and fill it with its weights (with
-    ``tp``, this rank's slice of them)."""
+    ``tp``, this rank's slice of them). ``quantization`` (`minivllm.quantization`): every
+    linear layer gets that format's method; "int8" quantizes the loaded fp32 weights,
+    "gguf" loads the bundled GGUF file's blocks instead of the fp32 matrices."""
     config, hf_config = load_model_config(path)
+    quant_config = get_quantization_config(quantization)
     with torch.device("meta"):  # no memory, no random init: the checkpoint fills it
         model = CausalLM(config, backend, tp).to(dtype).eval()
+        if quant_config is not None:
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.quant_method = quant_config.get_linear_method(module)
+                    if quantization == "gguf":  # no fp32 matrix: its blocks come from the
+                        # GGUF file (load_gguf_weights), so to_empty allocates nothing here
+                        module.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+            model.tie_weights()
     model.to_empty(device=device)
     model.tie_weights()  # to_empty made new parameters, untying them
     # Computed, not loaded: build it for real.
     model.rotary = RotaryEmbedding(config).to(device=device, dtype=dtype)
-    _load_weights(model, Path(path), config)
+    if quantization == "gguf":
+        from minivllm.quantization.gguf import load_gguf_weights
+
+        load_gguf_weights(model, find_gguf())
+    else:
+        _load_weights(model, Path(path), config)
     model.process_weights_after_loading()
     return model, hf_config
 

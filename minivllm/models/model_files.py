@@ -62,7 +62,7 @@ def resolve_model_path(model: str | Path | None) -> Path:
     if looks_like_hub_id and not path.exists():
         raise ValueError(
             f"model {text!r} is not a local folder, and minivllm does not download from "
-            f"the Hugging Face Hub. Fetch it once (`huggingface-cli download {text} "
+            f"the Hugging Face Hub. Fetch it once (`hf download {text} "
             f"--local-dir ./{text.split('/')[1]}`), then pass that folder: "
             f"--model ./{text.split('/')[1]}. Only the bundled {HUB_ID} needs no download."
         )

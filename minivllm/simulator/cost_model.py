@@ -95,15 +95,17 @@ def step_flops(model: ModelConfig, step: StepShape, tp: int = 1) -> int:
 
 
 def weight_bytes(
-    model: ModelConfig, dtype_bytes: int, with_lm_head: bool = True, tp: int = 1
+    model: ModelConfig,
+    dtype_bytes: int,
+    with_lm_head: bool = True,
+    tp: int = 1,
+    quantization: str | None = None,
 ) -> int:
     """Weights one device reads once per step: every layer, the final norm, and the LM
     head when a token is sampled (the input embedding is a lookup of a few rows: not
-    counted; a tied LM head is the embedding, read as the LM head)."""
-    params = model.num_layers * arithmetic.layer_parameters(model, tp) + model.hidden_size
-    if with_lm_head:
-        params += arithmetic.vocab_parameters(model, tp)
-    return params * dtype_bytes
+    counted; a tied LM head is the embedding, read as the LM head). ``quantization``:
+    the matrices' bytes per weight in that format (`arithmetic.bytes_per_weight`)."""
+    return arithmetic.weight_bytes(model, dtype_bytes, tp, quantization, with_lm_head)
 
 
 def kv_read_bytes(model: ModelConfig, chunk: ChunkShape, dtype_bytes: int, tp: int = 1) -> int:
@@ -115,10 +117,16 @@ def kv_write_bytes(model: ModelConfig, chunk: ChunkShape, dtype_bytes: int, tp: 
     return chunk.num_tokens * arithmetic.kv_bytes_per_token(model, dtype_bytes, tp)
 
 
-def step_bytes(model: ModelConfig, step: StepShape, dtype_bytes: int, tp: int = 1) -> int:
+def step_bytes(
+    model: ModelConfig,
+    step: StepShape,
+    dtype_bytes: int,
+    tp: int = 1,
+    quantization: str | None = None,
+) -> int:
     """Bytes one device moves: its share of the weights plus its heads' KV traffic
     (`kv_read_bytes` and `kv_write_bytes` summed over the chunks)."""
-    weights = weight_bytes(model, dtype_bytes, with_lm_head=step.any_sampled, tp=tp)
+    weights = weight_bytes(model, dtype_bytes, step.any_sampled, tp, quantization)
     kv_tokens = step.context_tokens + step.num_rows
     return weights + kv_tokens * arithmetic.kv_bytes_per_token(model, dtype_bytes, tp)
 
@@ -158,16 +166,27 @@ class StepCost:
 
 
 def step_cost(
-    model: ModelConfig, hardware: Hardware, chunks: list[ChunkShape], tp: int = 1
+    model: ModelConfig,
+    hardware: Hardware,
+    chunks: list[ChunkShape],
+    tp: int = 1,
+    quantization: str | None = None,
 ) -> StepCost:
-    """The roofline time of one step that computes ``chunks`` on ``tp`` devices."""
-    return shape_cost(model, hardware, StepShape.of(chunks), tp)
+    """The roofline time of one step that computes ``chunks`` on ``tp`` devices, with the
+    weights in ``quantization``'s format (None: ``hardware.dtype_bytes`` each)."""
+    return shape_cost(model, hardware, StepShape.of(chunks), tp, quantization)
 
 
-def shape_cost(model: ModelConfig, hardware: Hardware, step: StepShape, tp: int = 1) -> StepCost:
+def shape_cost(
+    model: ModelConfig,
+    hardware: Hardware,
+    step: StepShape,
+    tp: int = 1,
+    quantization: str | None = None,
+) -> StepCost:
     """`step_cost` of a step whose chunks are already summed."""
     flops = step_flops(model, step, tp)
-    num_bytes = step_bytes(model, step, hardware.dtype_bytes, tp)
+    num_bytes = step_bytes(model, step, hardware.dtype_bytes, tp, quantization)
     num_rows = step.num_rows
     return StepCost(
         flops=flops,

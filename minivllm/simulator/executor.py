@@ -59,6 +59,7 @@ class SimulatedExecutor:
         self.hardware = hardware
         self.clock = clock
         self.tensor_parallel_size = tensor_parallel_size
+        self.quantization = config.quantization  # bytes per weight (arithmetic.weight_bytes)
         self.model_config = model
         self.acceptance = acceptance_profile or AcceptanceProfile.parse(acceptance.DEFAULT)
         self.rng = random.Random(seed)
@@ -71,6 +72,7 @@ class SimulatedExecutor:
             config.max_num_batched_tokens,
             config.max_num_seqs,
             tensor_parallel_size,
+            config.quantization,
         )
         self.num_kv_blocks = config.num_kv_blocks or self.kv_pool.num_blocks
         if self.num_kv_blocks < 1:
@@ -99,7 +101,9 @@ class SimulatedExecutor:
         query_lens = np.diff(metadata.cu_seqlens_q.numpy())
         num_sampled = sum(1 + c.num_draft_tokens for c in sampling)  # verified rows too
         step = StepShape.of_batch(query_lens, metadata.context_lens.numpy(), num_sampled)
-        cost = shape_cost(self.model, self.hardware, step, self.tensor_parallel_size)
+        cost = shape_cost(
+            self.model, self.hardware, step, self.tensor_parallel_size, self.quantization
+        )
         self.clock.advance(cost.seconds)
         if self.step_costs is not None:
             self.step_costs.append(cost)

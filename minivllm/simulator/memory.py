@@ -59,12 +59,13 @@ def size_kv_pool(
     max_num_batched_tokens: int = 8192,
     max_num_seqs: int = 256,
     tp: int = 1,
+    quantization: str | None = None,
 ) -> KVPoolSizing:
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     dtype_bytes = hardware.dtype_bytes
     budget = int(hardware.memory_bytes * gpu_memory_utilization)
-    weights = arithmetic.num_parameters(model, tp) * dtype_bytes
+    weights = arithmetic.weight_bytes(model, dtype_bytes, tp, quantization, with_embedding=True)
     activations = activation_bytes(model, max_num_batched_tokens, max_num_seqs, dtype_bytes, tp)
     block_bytes = block_size * arithmetic.kv_bytes_per_token(model, dtype_bytes, tp)
     num_blocks = max(0, (budget - weights - activations) // block_bytes)

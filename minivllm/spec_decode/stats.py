@@ -85,7 +85,13 @@ class SpecDecodingStats:
         }
 
     def log_line(self) -> str:
-        """vLLM's "SpecDecoding metrics" log line."""
+        """vLLM's "SpecDecoding metrics" log line; with no draft yet, a line that says so
+        (a mean acceptance length of 0.00 would be no measurement, shown as one)."""
+        if not self.num_drafts:
+            return (
+                "SpecDecoding metrics: no drafts proposed yet (no n-gram of a request "
+                "matched its earlier tokens), Drafted: 0 tokens"
+            )
         per_pos = ", ".join(f"{r:.3f}" for r in self.acceptance_rate_per_pos)
         return (
             f"SpecDecoding metrics: Mean acceptance length: {self.mean_acceptance_length:.2f}, "

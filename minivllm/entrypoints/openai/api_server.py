@@ -4,8 +4,9 @@ Routes (vLLM's shapes): POST /v1/completions, POST /v1/chat/completions (JSON or
 GET /v1/models, POST /tokenize and /detokenize, /health, /ping, /version, /metrics
 (Prometheus, vLLM's names), and the live page GET / with its data at GET /live/state. Bad
 input is a 400 (404 for an unknown model) with ``{"error": {"message", "type", "param",
-"code"}}``. With ``--api-key``, as in vLLM, only the ``/v1/*`` routes ask for it
-(``Authorization: Bearer KEY``; else a 401).
+"code"}}``. With ``--api-key``, as in vLLM, the ``/v1/*`` routes ask for it
+(``Authorization: Bearer KEY``; else a 401), and /live/state shows prompts and outputs
+only to a caller with it (see `_require_api_key` for what stays open and why).
 
     python -m minivllm.entrypoints.openai.api_server --port 8000 [engine options]
 """
@@ -30,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.engine import LLMEngine
 from minivllm.entrypoints.async_llm import AsyncLLM
@@ -47,6 +49,7 @@ from minivllm.entrypoints.openai.protocol import (
 from minivllm.entrypoints.openai.serving import OpenAIServing
 from minivllm.entrypoints.prometheus import ServerMetrics
 from minivllm.entrypoints.stats_logger import LoggingStatLogger, startup_summary
+from minivllm.models.model_files import HUB_ID
 from minivllm.utils import freeze_gc_heap
 
 logger = logging.getLogger("minivllm.serve")
@@ -59,17 +62,23 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds in-flight requests get to finish on SIGTERM
 
 
-def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``async_llm`` under ``model_name``. The caller owns the
+def build_app(
+    async_llm: AsyncLLM, model_name: str | list[str], api_key: str | None = None
+) -> FastAPI:
+    """The FastAPI app serving ``async_llm`` under ``model_name`` (or several names, the
+    first one used in replies and metrics, as vLLM's ``--served-model-name``). The caller
+    owns the
     `AsyncLLM` (and shuts it down). With ``api_key``, the ``/v1/*`` routes answer 401
     unless the request carries ``Authorization: Bearer <api_key>``."""
     prometheus_client.disable_created_metrics()  # no `_created` series, as in vLLM
-    live = LiveRequests(start_time=time.perf_counter())
-    serving = OpenAIServing(async_llm, model_name, live)
+    live = LiveRequests(start_time=time.perf_counter(), engine=async_llm.engine)
+    model_names = [model_name] if isinstance(model_name, str) else list(model_name)
+    serving = OpenAIServing(async_llm, model_names, live)
     # Called on the engine thread; setting one attribute of a listed request is safe there.
     async_llm.abort_listeners.append(lambda request_id: live.fail(request_id, "abort"))
+    async_llm.error_listeners.append(lambda request_id: live.fail(request_id, "error"))
     async_llm.step_listeners.append(live.on_step)
-    metrics = ServerMetrics(async_llm, model_name)
+    metrics = ServerMetrics(async_llm, model_names[0])
     app = FastAPI(title="minivllm", version=VERSION)
     app.state.async_llm = async_llm
     if api_key is not None:
@@ -91,6 +100,16 @@ def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None) 
         param = fields[0].split(".")[0] if fields else None
         return JSONResponse(error_body(message, 400, param), status_code=400)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own errors (a body it cannot parse, e.g. JSON nested too deep for the
+        # parser; an unknown route or method) in the same shape as every other error.
+        message = str(exc.detail)
+        if message == "There was an error parsing the body":
+            message = "the body could not be parsed as JSON (malformed, or nested too deep)"
+        body = error_body(message, exc.status_code)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:
         return await _respond(raw, serving.create_completion(request))
@@ -110,8 +129,9 @@ def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None) 
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=model_name, root=model_name, max_model_len=async_llm.max_model_len)
-        return ModelList(data=[card])
+        root, max_len = model_names[0], async_llm.max_model_len
+        cards = [ModelCard(id=name, root=root, max_model_len=max_len) for name in model_names]
+        return ModelList(data=cards)
 
     @app.get("/health")
     async def health() -> Response:
@@ -134,8 +154,10 @@ def build_app(async_llm: AsyncLLM, model_name: str, api_key: str | None = None) 
         return HTMLResponse(PAGE.read_text())
 
     @app.get("/live/state")
-    async def live_data(since: int = 0) -> dict:
-        return live_state(async_llm, live, since)
+    async def live_data(raw: Request, since: int = 0) -> dict:
+        # Other clients' prompts and outputs: only for a caller with the key, if one is set.
+        redact = api_key is not None and not _has_api_key(raw, api_key)
+        return live_state(async_llm, live, since, redact=redact)
 
     return app
 
@@ -155,19 +177,24 @@ def _tokenize_request(body: dict) -> TokenizeCompletionRequest | TokenizeChatReq
 
 
 def _require_api_key(app: FastAPI, api_key: str) -> None:
-    """vLLM's --api-key: the OpenAI routes need the key; health, metrics and the live page
-    stay open (a load balancer or scraper has no key)."""
-    expected = f"Bearer {api_key}"
+    """vLLM's --api-key: the OpenAI routes need the key. /health, /ping, /metrics and
+    /version stay open (a load balancer or scraper has no key; they hold counts, no
+    text), as do /tokenize and /detokenize (as in vLLM: they only transform what the
+    caller sends). The live page is static HTML; its data, /live/state, blanks every
+    prompt and output for a caller without the key (`live_state`)."""
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
         is_api = request.url.path.startswith("/v1/") or request.url.path == "/v1"
-        if is_api and request.method != "OPTIONS":
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), expected.encode()):
-                message = "Incorrect or missing API key: send Authorization: Bearer <key>"
-                return JSONResponse(error_body(message, 401), status_code=401)
+        if is_api and request.method != "OPTIONS" and not _has_api_key(request, api_key):
+            message = "Incorrect or missing API key: send Authorization: Bearer <key>"
+            return JSONResponse(error_body(message, 401), status_code=401)
         return await call_next(request)
+
+
+def _has_api_key(request: Request, api_key: str) -> bool:
+    given = request.headers.get("authorization", "")
+    return secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode())
 
 
 async def _respond(raw: Request, work) -> Response:
@@ -208,7 +235,7 @@ def serve(
     engine: LLMEngine,
     host: str,
     port: int,
-    model_name: str,
+    model_name: str | list[str],
     log_level="info",
     api_key: str | None = None,
     log_stats: bool = True,
@@ -224,7 +251,8 @@ def serve(
     re-raises the signal; the handlers below turn that into a normal return."""
     async_llm = AsyncLLM(engine)
     app = build_app(async_llm, model_name, api_key)
-    for line in startup_summary(engine, model_name, f"http://{host}:{port}"):
+    names = [model_name] if isinstance(model_name, str) else model_name
+    for line in startup_summary(engine, ", ".join(names), f"http://{host}:{port}"):
         logger.info(line)
     if log_stats:
         LoggingStatLogger(async_llm)
@@ -280,7 +308,7 @@ class BackgroundServer:
     def __init__(
         self,
         engine: LLMEngine,
-        model_name: str = DEFAULT_MODEL_NAME,
+        model_name: str | list[str] = DEFAULT_MODEL_NAME,
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
@@ -311,6 +339,16 @@ class BackgroundServer:
         self.async_llm.shutdown()
 
 
+def served_names(model: str | None) -> list[str]:
+    """The names a client may send as ``model`` when no --served-model-name is given: the
+    --model argument, as in vLLM; for the bundled model both its short name and its Hub id
+    (what a vLLM user types), the one given first."""
+    bundled = [DEFAULT_MODEL_NAME, HUB_ID]
+    if model is None or model in bundled:
+        return sorted(bundled, key=lambda name: name != (model or DEFAULT_MODEL_NAME))
+    return [model]
+
+
 def run_serve(args: argparse.Namespace, engine_config) -> int:
     """The ``serve`` subcommand, given its parsed arguments and the `EngineConfig`."""
     import torch
@@ -320,7 +358,7 @@ def run_serve(args: argparse.Namespace, engine_config) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s")
     engine = LLMEngine(engine_config)
     freeze_gc_heap()  # the start-up objects stay out of the collector's passes, as in vLLM
-    model_name = args.served_model_name or engine_config.model or DEFAULT_MODEL_NAME
+    model_name = args.served_model_name or served_names(engine_config.model)
     try:
         serve(
             engine,

@@ -13,15 +13,20 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the name clients send as `model` (default: --model, or the bundled model's)",
+        help="the name(s) clients send as `model`, the first one in replies (default: "
+        "--model; the bundled model answers to SmolLM2-135M-Instruct and its Hub id "
+        "HuggingFaceTB/SmolLM2-135M-Instruct)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     g.add_argument(
         "--api-key",
         default=None,
         help="ask clients of /v1/* for this key (Authorization: Bearer KEY), like vLLM's; "
-        "/health, /ping, /metrics and the live page stay open (default: no key)",
+        "/health, /ping, /metrics, /version, /tokenize and /detokenize stay open, and the "
+        "live page shows prompts and outputs only with the key: open it as /#key=KEY "
+        "(default: no key)",
     )
     g.add_argument(
         "--disable-log-stats",

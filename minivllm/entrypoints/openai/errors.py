@@ -16,6 +16,7 @@ ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }

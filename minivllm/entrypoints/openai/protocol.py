@@ -119,6 +119,8 @@ class SamplingFields(OpenAIRequestModel):
         """What the engine is asked for: sampling, or with ``use_beam_search`` a beam
         search (vLLM's ``to_beam_search_params``: ``n`` is the beam width; no
         ``max_tokens`` means as many as the context leaves, which the engine caps)."""
+        if self.stream_options is not None and not self.stream:  # vLLM refuses it too
+            raise ValueError("stream_options can only be given with stream: true")
         if not self.use_beam_search:
             return self.sampling_params(max_tokens)
         if not 1 <= self.n <= MAX_LOGPROBS // 2:

@@ -69,9 +69,12 @@ class Accepted:
 class OpenAIServing:
     """Turns API requests into engine requests for one served model."""
 
-    def __init__(self, async_llm: AsyncLLM, model_name: str, live: LiveRequests) -> None:
+    def __init__(
+        self, async_llm: AsyncLLM, model_names: str | list[str], live: LiveRequests
+    ) -> None:
         self.async_llm = async_llm
-        self.model_name = model_name
+        self.model_names = [model_names] if isinstance(model_names, str) else list(model_names)
+        self.model_name = self.model_names[0]  # what replies name when a request names none
         self.live = live
 
     # --- completions ---------------------------------------------------------------------
@@ -324,11 +327,14 @@ class OpenAIServing:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         stream = await self.async_llm.add_request(request_id, engine_prompt, params)
         self.live.add(request_id, params, label)
-        return Accepted(request_id, stream, int(time.time()), self.model_name)
+        return Accepted(request_id, stream, int(time.time()), request.model or self.model_name)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise RequestError(f"The model `{model}` does not exist.", "model", status=404)
+        if model is not None and model not in self.model_names:
+            served = ", ".join(f"`{name}`" for name in self.model_names)
+            raise RequestError(
+                f"The model `{model}` does not exist. Served: {served}.", "model", status=404
+            )
 
     def _check_text_length(self, num_chars: int, param: str) -> None:
         """vLLM's pre-check, before any tokenizing: no token is longer than the longest
