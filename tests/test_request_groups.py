@@ -213,6 +213,8 @@ def test_a_beam_search_request_queues_its_first_beam():
     assert "b" in engine.request_groups and engine.request_groups.in_lockstep
     engine.add_beam_search_request("c", PROMPT, params)  # no arrival time: the clock's
     assert engine.scheduler.requests["beam0_c"].metrics.arrival_time == 5.0
+    engine.add_beam_search_request("d", PROMPT, BeamSearchParams(4, max_tokens=2))  # = max
+    assert engine.scheduler.requests["beam0_c"].metrics.arrival_time == 5.0
 
 
 def test_a_beam_shares_its_prompt_only_when_forked_blocks_are_shared():
@@ -260,6 +262,9 @@ def test_more_logprobs_than_allowed_or_the_static_policy_is_refused():
     assert MAX_LOGPROBS == 20 and queued(engine) == []
     groups.add_request("b", PROMPT, BeamSearchParams(beam_width=6, max_tokens=2), None)
     assert engine.scheduler.requests["beam0_b"].sampling_params.logprobs == 18
+    engine.model_info.eos_token_ids = frozenset({0, 5, 6, 7})  # 5 candidates a beam
+    groups.add_request("c", PROMPT, BeamSearchParams(beam_width=4, max_tokens=2), None)
+    assert engine.scheduler.requests["beam0_c"].sampling_params.logprobs == 20  # the most
     static = make_engine(scheduling_policy="static")
     with pytest.raises(ValueError, match=r"^beam search needs the continuous scheduling policy$"):
         static.add_beam_search_request("b", PROMPT, BeamSearchParams(beam_width=2, max_tokens=2))
@@ -272,11 +277,59 @@ def test_aborting_a_search_stops_every_live_beam_and_a_beam_id_is_not_a_request(
     engine.add_request("x", PROMPT, SamplingParams(max_tokens=6))
     engine.step()  # the first beam's candidates: two beams go on (a fork)
     assert queued(engine) == ["beam0_b", "beam1_b", "x"]
-    beams = [engine.scheduler.requests[b] for b in ("beam0_b", "beam1_b")]
+    # A beam's row counts one token, and its prompt with its first row (as vLLM counts).
+    stats = engine.last_stats
+    assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (6, 2)  # beam0_b, x
+    dropped = engine.scheduler.requests["beam1_b"]
+    engine.step()  # each beam reports one row: the group picks again
+    stats = engine.last_stats
+    assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (0, 3)
+    # Both best continuations extend beam 0 (1 then 2; 0+2 ties 1+1, the earlier beam
+    # wins): beam 1 is dropped, beam 2 forked from beam 0.
+    assert queued(engine) == ["beam0_b", "beam2_b", "x"]
+    assert dropped.finish_reason == FinishReason.ABORT  # pruned, its blocks back
+    beams = [engine.scheduler.requests[b] for b in ("beam0_b", "beam2_b")]
+    assert [b.output_token_ids for b in beams] == [[1, 1], [1, 2]]
+    assert [b.metrics.token_times for b in beams] == [[5.0, 5.0], [5.0]]  # a fork: from its step
     groups = engine.request_groups["beam_search"]
-    assert groups.abort("beam1_b") is False and groups.abort("x") is None
-    assert groups.abort("nobody") is None and queued(engine)[:2] == ["beam0_b", "beam1_b"]
+    assert groups.abort("beam2_b") is False and groups.abort("x") is None
+    assert groups.abort("nobody") is None and queued(engine)[:2] == ["beam0_b", "beam2_b"]
     assert engine.abort_request("b") is True
     assert queued(engine) == ["x"] and "b" not in engine.request_groups
     assert [s.finish_reason for s in beams] == [FinishReason.ABORT] * 2
     assert groups.abort("b") is None and groups.abort("beam0_b") is None
+
+
+def test_two_searches_count_both_prompts_and_one_that_fails_ends_alone():
+    engine = make_engine()
+    engine.add_beam_search_request("b", PROMPT, BeamSearchParams(2, 4), arrival_time=1.0)
+    engine.add_beam_search_request("c", {"prompt_token_ids": [4, 5]}, BeamSearchParams(2, 4))
+    engine.step()
+    stats = engine.last_stats
+    assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (5, 2)  # 3 + 2 prompt
+    groups = engine.request_groups["beam_search"]
+
+    def fail(now):
+        raise RuntimeError("boom")
+
+    groups.groups["b"].step = fail  # b's next decision fails; c goes on
+    first_beam = engine.scheduler.requests["beam0_b"]
+    outputs = engine.step()
+    [failed] = [o for o in outputs if o.request_id == "b"]
+    assert failed.finished and failed.outputs[0].finish_reason == "error"
+    assert failed.error == "RuntimeError: boom" and failed.prompt_token_ids == [1, 2, 3]
+    assert failed.metrics is first_beam.metrics and failed.metrics.arrival_time == 1.0
+    assert queued(engine) == ["beam0_c", "beam2_c"] and "b" not in engine.request_groups
+
+
+def test_a_finished_search_reports_once_with_its_text_and_is_forgotten():
+    engine = make_engine()
+    engine.model_info.tokenizer = SimpleNamespace(decode=lambda ids: "-".join(map(str, ids)))
+    engine.add_beam_search_request("b", PROMPT, BeamSearchParams(beam_width=2, max_tokens=2))
+    engine.add_request("x", PROMPT, SamplingParams(max_tokens=5))
+    assert [o.request_id for o in engine.step() if o.finished] == []
+    [output] = [o for o in engine.step() if o.request_id == "b"]
+    assert output.finished and [c.text for c in output.outputs] == ["1-1", "1-2"]
+    assert [c.finish_reason for c in output.outputs] == ["length", "length"]
+    assert "b" not in engine.request_groups and queued(engine) == ["x"]
+    assert engine.request_groups["beam_search"].groups == {}
