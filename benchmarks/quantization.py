@@ -16,6 +16,9 @@ step could reach if it did nothing but read them. CPU seconds per token
     python benchmarks/quantization.py --formats none,int8 --batch 1 --max-tokens 32
     python benchmarks/quantization.py --rss     # peak resident memory per format
 
+``--rss``: each format in a fresh process (load, four tokens), and a process that only
+imports what the engine imports; the formats in turn, median of ``--rss-repeats`` rounds.
+
 Before/after a change to the engine: run it from both checkouts one after the other
 (``PYTHONPATH=<old worktree>``) and compare within one sitting.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -75,20 +79,44 @@ def measure(quantization, batch: int, prompt_len: int, max_tokens: int, repeats:
 
 RSS_SCRIPT = """
 import resource, sys
+import gguf, numba, torch, transformers
 from minivllm import LLM, SamplingParams
-quantization = None if sys.argv[1] == "none" else sys.argv[1]
-llm = LLM(quantization=quantization, num_kv_blocks=64, num_threads=1)
-llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
+if sys.argv[1] != "imports":
+    quantization = None if sys.argv[1] == "none" else sys.argv[1]
+    llm = LLM(quantization=quantization, num_kv_blocks=64, num_threads=1)
+    llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
 def peak_rss_mb(name: str) -> float:
-    """Peak resident memory of a fresh process that loads the model in this format and
-    generates four tokens (``ru_maxrss``, KiB on Linux)."""
+    """Peak resident memory of a fresh process that imports torch, transformers, numba,
+    gguf and minivllm, then (unless ``name`` is "imports") loads the model in this format
+    and generates four tokens (``ru_maxrss``, KiB on Linux)."""
     out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, name], capture_output=True,
                          text=True, check=True)  # fmt: skip
     return int(out.stdout.split()[-1]) / 1024
+
+
+def print_rss_table(names: list[str], repeats: int) -> None:
+    """Median peak RSS per format over ``repeats`` rounds (the formats in turn within a
+    round), the same above the imports' own peak, and each as a share of fp32's."""
+    runs: dict[str, list[float]] = {name: [] for name in ["imports", *names]}
+    for _ in range(repeats):
+        for name in runs:
+            runs[name].append(peak_rss_mb(name))
+    peak = {name: statistics.median(values) for name, values in runs.items()}
+    base = peak.pop("imports")
+    print(f"imports alone (torch, transformers, numba, gguf, minivllm): {base:.0f} MB peak; "
+          f"median of {repeats}")  # fmt: skip
+    print("| format | peak RSS MB | % of fp32 | above imports MB | % of fp32's |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    fp32 = peak.get("none")
+    for name, mb in peak.items():
+        share = f"{100 * mb / fp32:.0f} %" if fp32 else "-"
+        above = f"{100 * (mb - base) / (fp32 - base):.0f} %" if fp32 else "-"
+        label = "fp32" if name == "none" else name
+        print(f"| {label} | {mb:.0f} | {share} | {mb - base:.0f} | {above} |")
 
 
 def main() -> None:
@@ -100,11 +128,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--rss", action="store_true", help="only the peak memory per format")
+    parser.add_argument("--rss-repeats", type=int, default=3, help="rounds of --rss")
     args = parser.parse_args()
     if args.rss:
-        print("| format | peak RSS MB |\n| --- | ---: |")
-        for name in args.formats.split(","):
-            print(f"| {'fp32' if name == 'none' else name} | {peak_rss_mb(name):.0f} |")
+        print_rss_table(args.formats.split(","), args.rss_repeats)
         return
     torch.set_num_threads(args.threads)
     bandwidth = measure_read_bandwidth()

@@ -5,7 +5,12 @@ from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.llm import LLM
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from minivllm.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 EngineArgs = EngineConfig  # vLLM's name for the same thing
 
@@ -32,4 +37,5 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

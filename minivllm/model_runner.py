@@ -27,7 +27,7 @@ from minivllm.logprobs import prompt_logprobs, sample_logprobs
 from minivllm.models.arithmetic import kv_heads_per_rank
 from minivllm.models.llama import CausalLM
 from minivllm.outputs import ModelRunnerOutput
-from minivllm.sampler import Sampler
+from minivllm.sampler import Sampler, apply_grammar_bitmask
 from minivllm.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledChunk, SchedulerOutput
 from minivllm.utils import resolve_obj_by_qualname
 
@@ -133,6 +133,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])
         if logits is None:  # a tensor-parallel rank but the first: rank 0 samples
             return ModelRunnerOutput()
+        if scheduler_output.grammar_bitmask is not None:  # structured outputs' rows
+            mask = scheduler_output.grammar_bitmask
+            logits = apply_grammar_bitmask(logits, mask.rows, mask.bitmask)
         output = self._sample(logits[:num_sampled_rows], [c for c, _ in sampling])
         if prompt_chunks:
             output.prompt_logprobs = prompt_logprobs(

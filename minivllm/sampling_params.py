@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from minivllm.utils import as_int
 
@@ -39,6 +40,75 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the text a request may produce (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one of: ``json``, a JSON schema (a dict, or its text); ``regex``, a regular
+    expression the whole output matches; ``choice``, the output is one of these strings;
+    ``grammar``, a context-free grammar (Lark or GBNF, as llguidance reads them);
+    ``json_object=True``, any JSON object. The engine turns it into a token mask per step
+    (structured_output/): every output that finishes with ``stop`` is in the language.
+    Types and "exactly one" are checked here; whether the schema, regex or grammar compiles
+    is checked when the engine adds the request (ValueError naming the field)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar, "
+                f"json_object; got {given or 'none'}"
+            )
+        kind = given[0]
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    self.json = json.loads(self.json)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(self.json, dict):
+                raise ValueError(
+                    f"structured_outputs.json must be a JSON schema object, got {self.json!r}"
+                )
+        if self.choice is not None and (
+            not isinstance(self.choice, list | tuple)
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(
+                "structured_outputs.choice must be a non-empty list of strings, "
+                f"got {self.choice!r}"
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if kind == "json_object" and self.json_object is not True:
+            raise ValueError("structured_outputs.json_object must be true or left out")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """Which of the fields is set: "json", "regex", "choice", "grammar", "json_object"."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What the compiled grammar depends on: the cache key (a schema as canonical JSON,
+        so the same schema written twice compiles once)."""
+        spec = getattr(self, self.kind)
+        if self.kind in ("json", "choice"):
+            spec = json.dumps(spec, sort_keys=True)
+        return self.kind, str(spec)
+
+
+@dataclass
 class SamplingParams:
     """Sampling and stopping settings for one request.
 
@@ -62,6 +132,10 @@ class SamplingParams:
     as usual, logprobs without ``decoded_token``), for a client that reads token ids only:
     the request then costs no detokenization per token. Stop strings need the text, so
     they need ``detokenize=True``.
+
+    ``structured_outputs``: the output must be JSON of a schema, match a regex, be one of
+    some choices or follow a grammar (`StructuredOutputsParams`; the mask is applied
+    before anything else, so only allowed tokens are ever sampled).
 
     ``logprobs=k``: each output token comes with its log-probability and the ``k`` most
     likely tokens' (``0``: the sampled token's only); ``prompt_logprobs=k``: the same for
@@ -94,8 +168,16 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if not isinstance(self.structured_outputs, StructuredOutputsParams | None):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, "
+                f"got {self.structured_outputs!r}"
+            )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):

@@ -19,9 +19,13 @@ context, and copying every table every step costs the CPU that much). Only
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
+
+if TYPE_CHECKING:
+    from minivllm.structured_output import GrammarBitmask
 
 # Async scheduling: the input of a decode whose token the step before is still sampling.
 # The model runner replaces it with that sample before the step runs.
@@ -105,6 +109,9 @@ class SchedulerOutput:
     # Padding: the request id of each chunk that advances no request, and their rows.
     wasted_ids: list[str] = field(default_factory=list)
     num_wasted_tokens: int = 0
+    # Structured outputs: the token masks of the sampled rows of constrained requests,
+    # filled by the engine after scheduling (structured_output/); None in a step without one.
+    grammar_bitmask: GrammarBitmask | None = None
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         """Schedule the next ``num_new_tokens`` of ``seq``, from its ``num_computed_tokens``."""

@@ -21,7 +21,11 @@ the blocks are untouched.
 from __future__ import annotations
 
 import importlib
+import io
+import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -166,29 +170,144 @@ def unpermute_rotary_rows(array: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+# The file's layout (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): a header,
+# metadata key/value pairs (the tokenizer's 49k strings among them), one entry per tensor
+# (name, shape, type, offset), then the tensors' bytes from an aligned start.
+# Metadata value types, numbered as in the spec: struct formats of the scalar ones.
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+_STRING, _ARRAY = 8, 9
+ROWS_PER_READ = 4096  # rows of a tensor read from the file at a time
+
+
+@dataclass
+class GGUFTensorInfo:
+    """One tensor of a GGUF file: ``shape`` in numpy order (rows first), ``kind`` the
+    ggml type's name ("Q4_1", "Q8_0", "F32"), ``offset`` its first byte in the file."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    offset: int
+    row_bytes: int
+
+
+def read_tensor_infos(f: BinaryIO) -> dict[str, GGUFTensorInfo]:
+    """The tensor table of an open GGUF file. The metadata values are skipped, not built:
+    gguf's ``GGUFReader`` makes a numpy array of each of the tokenizer's ~100k strings,
+    about 160 MB of objects for the bundled file, which the engine never reads (its
+    tokenizer comes from the converted checkpoint)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    def read(fmt: str) -> tuple:
+        return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))
+
+    def string() -> str:
+        (length,) = read("Q")
+        return f.read(length).decode()
+
+    def skip_value(value_type: int, count: int = 1) -> int | None:
+        """Skip ``count`` values of a type; return the value when there is one scalar."""
+        if value_type == _STRING:
+            for _ in range(count):
+                f.seek(read("Q")[0], io.SEEK_CUR)
+        elif value_type == _ARRAY:
+            for _ in range(count):
+                item_type, length = read("IQ")
+                skip_value(item_type, length)
+        elif count == 1:
+            return read(_SCALARS[value_type])[0]
+        else:
+            f.seek(count * struct.calcsize("<" + _SCALARS[value_type]), io.SEEK_CUR)
+        return None
+
+    magic, version = read("4sI")
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"not a little-endian GGUF v2/v3 file (magic {magic!r}, v{version})")
+    tensor_count, kv_count = read("QQ")
+    alignment = 32
+    for _ in range(kv_count):
+        key = string()
+        value = skip_value(read("I")[0])
+        if key == "general.alignment":
+            alignment = value
+    entries = []
+    for _ in range(tensor_count):
+        name = string()
+        (n_dims,) = read("I")
+        dims = read(f"{n_dims}Q")
+        tensor_type, offset = read("IQ")
+        ggml_type = GGMLQuantizationType(tensor_type)
+        block, block_bytes = GGML_QUANT_SIZES[ggml_type]
+        row_bytes = dims[0] // block * block_bytes  # dims[0]: the length of a row
+        entries.append((name, tuple(reversed(dims)), ggml_type.name, offset, row_bytes))
+    data_start = -(-f.tell() // alignment) * alignment
+    return {
+        name: GGUFTensorInfo(name, shape, kind, data_start + offset, row_bytes)
+        for name, shape, kind, offset, row_bytes in entries
+    }
+
+
+def read_rows(f: BinaryIO, info: GGUFTensorInfo, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of a tensor as the file stores them: uint8 ``[rows, row_bytes]``.
+    Read, not memory-mapped: the pages of a mapped file count in the process's resident
+    memory for as long as it stays mapped, a second copy of the weights at the peak."""
+    raw = np.empty((stop - start, info.row_bytes), dtype=np.uint8)
+    f.seek(info.offset + start * info.row_bytes)
+    if f.readinto(raw) != raw.nbytes:
+        raise ValueError(f"{info.name}: the GGUF file ends inside the tensor")
+    return raw
+
+
+def read_blocks(f: BinaryIO, info: GGUFTensorInfo) -> dict[str, np.ndarray]:
+    """A quantized matrix's parts (`split_q4_1`, `split_q8_0`), filled `ROWS_PER_READ`
+    rows at a time: the only temporary is one slice of the file's bytes."""
+    split = {"Q4_1": split_q4_1, "Q8_0": split_q8_0}[info.kind]
+    rows = info.shape[0]
+    parts: dict[str, np.ndarray] = {}
+    for start in range(0, rows, ROWS_PER_READ):
+        stop = min(start + ROWS_PER_READ, rows)
+        for name, array in split(read_rows(f, info, start, stop)).items():
+            if name not in parts:
+                parts[name] = np.empty((rows, array.shape[1]), dtype=array.dtype)
+            parts[name][start:stop] = array
+    return parts
+
+
 def load_gguf_weights(model: nn.Module, gguf_path: Path) -> None:
     """Fill ``model`` (a `CausalLM` whose linear layers have GGUF methods) from the file:
-    blocks into the linear layers, fp32 norms into the norms."""
-    import gguf
+    blocks into the linear layers, fp32 norms into the norms. Each tensor is read once
+    into its final arrays; no fp32 matrix is made (tests/test_quantization.py bounds the
+    memory a load allocates)."""
+    with open(gguf_path, "rb") as f:
+        _load_gguf_weights(model, gguf_path, f)
 
-    reader = gguf.GGUFReader(gguf_path)
-    tensors = {t.name: t for t in reader.tensors}
+
+def _load_gguf_weights(model: nn.Module, gguf_path: Path, f: BinaryIO) -> None:
+    tensors = read_tensor_infos(f)
     config = model.config
     if not config.tie_word_embeddings or "output.weight" in tensors:
         raise ValueError("quantization='gguf' supports the bundled model's tied LM head only")
 
     def parts(name: str, num_heads: int | None = None) -> tuple[str, dict[str, np.ndarray]]:
-        tensor = tensors.pop(name)
-        kind = tensor.tensor_type.name
-        if kind == "Q4_1":
-            split = split_q4_1(tensor.data)
-        elif kind == "Q8_0":
-            split = split_q8_0(tensor.data)
-        else:
-            raise ValueError(f"{name}: GGUF type {kind} is not supported (Q4_1, Q8_0)")
+        info = tensors.pop(name)
+        if info.kind not in ("Q4_1", "Q8_0"):
+            raise ValueError(f"{name}: GGUF type {info.kind} is not supported (Q4_1, Q8_0)")
+        split = read_blocks(f, info)
         if num_heads is not None:
             split = {k: unpermute_rotary_rows(v, num_heads) for k, v in split.items()}
-        return kind, split
+        return info.kind, split
 
     def fused(*named: tuple[str, dict[str, np.ndarray]]) -> tuple[str, dict[str, np.ndarray]]:
         kinds = {kind for kind, _ in named}
@@ -198,8 +317,11 @@ def load_gguf_weights(model: nn.Module, gguf_path: Path) -> None:
         return kinds.pop(), {k: np.concatenate([p[k] for _, p in named]) for k in first}
 
     def norm(name: str) -> torch.Tensor:
-        tensor = tensors.pop(name)
-        return torch.from_numpy(np.array(tensor.data, dtype=np.float32).reshape(-1))
+        info = tensors.pop(name)
+        if info.kind != "F32":
+            raise ValueError(f"{name}: a norm stored as {info.kind}, expected F32")
+        raw = read_rows(f, info, 0, 1)  # a vector: one row
+        return torch.from_numpy(raw.view(np.float32).reshape(-1))
 
     def put_linear(layer: nn.Module, kind_parts: tuple[str, dict[str, np.ndarray]]) -> None:
         layer.quant_method.set_blocks(layer, *kind_parts)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -24,6 +24,7 @@ from minivllm.sampling_params import (
     BeamSearchParams,
     RequestOutputKind,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 
@@ -72,6 +73,83 @@ class StreamOptions(OpenAIRequestModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIRequestModel):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: str
+    description: str | None = None
+    # "schema" would shadow pydantic's BaseModel.schema: read under an alias.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIRequestModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
+    object) or ``json_schema`` (JSON valid under ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(OpenAIRequestModel):
+    """vLLM's ``structured_outputs`` extra field: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def structured_outputs_from(
+    response_format: ResponseFormat | None, structured_outputs: StructuredOutputsField | None
+) -> StructuredOutputsParams | None:
+    """The constraint a request asks for, checked (does it compile?) before any work;
+    ValueError naming the field otherwise."""
+    from minivllm.structured_output import validate_structured_outputs
+
+    asked = response_format is not None and response_format.type != "text"
+    if asked and structured_outputs is not None:
+        raise ValueError(
+            "response_format and structured_outputs both ask for a constraint; send one"
+        )
+    if asked:
+        field = "response_format"
+        if response_format.type == "json_object":
+            params = StructuredOutputsParams(json_object=True)
+        elif response_format.json_schema is None or response_format.json_schema.json_schema is None:
+            raise ValueError(
+                "response_format of type json_schema needs json_schema.schema, the JSON schema"
+            )
+        else:
+            params = StructuredOutputsParams(json=response_format.json_schema.json_schema)
+    elif structured_outputs is not None:
+        field = "structured_outputs"
+        try:
+            params = StructuredOutputsParams(
+                **structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            )
+        except ValueError as e:
+            raise ValueError(_naming(field, str(e))) from None
+    else:
+        return None
+    try:
+        validate_structured_outputs(params)
+    except ValueError as e:
+        raise ValueError(_naming(field, str(e))) from None
+    return params
+
+
+def _naming(field: str, message: str) -> str:
+    """ "structured_outputs.json does not compile: ..." -> "<field> (json) does not
+    compile: ...": the message starts with the request field, which the error's
+    ``param`` takes (errors.py)."""
+    first, _, rest = message.partition(" ")
+    if first.startswith("structured_outputs."):
+        return f"{field} ({first.split('.', 1)[1]}) {rest}"
+    return message
+
+
 class SamplingFields(OpenAIRequestModel):
     """What completions and chat requests share."""
 
@@ -103,6 +181,9 @@ class SamplingFields(OpenAIRequestModel):
     # vLLM extras: beam search. ``n`` beams are kept and come back as the choices, best first.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs extra.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
     # Accepted, no effect on the tokens: who asks, and hints for OpenAI's own services.
     user: str | None = None
 
@@ -111,6 +192,7 @@ class SamplingFields(OpenAIRequestModel):
         "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
         "repetition_penalty", "logit_bias", "allowed_token_ids", "stop", "stop_token_ids",
         "min_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "echo",
+        "response_format", "structured_outputs", "tools", "tool_choice",
     )  # fmt: skip
 
     def engine_params(
@@ -142,6 +224,9 @@ class SamplingFields(OpenAIRequestModel):
             length_penalty=self.length_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
+
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        return structured_outputs_from(self.response_format, self.structured_outputs)
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -175,6 +260,7 @@ class SamplingFields(OpenAIRequestModel):
             skip_special_tokens=self.skip_special_tokens,
             ignore_eos=self.ignore_eos,
             prompt_logprobs=self.prompt_logprobs,
+            structured_outputs=self.structured_output_params(),
             # Streams get each step's new text; a plain response only the final result.
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
@@ -225,9 +311,45 @@ class TextContentPart(OpenAIRequestModel):
     text: Text
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIRequestModel):
     role: Text
     content: Text | list[TextContentPart] | None = None
+    # A conversation that went through tool calls: the assistant's calls, a tool's answer.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class FunctionDefinition(OpenAIRequestModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIRequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIRequestModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIRequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -243,6 +365,26 @@ class ChatCompletionRequest(SamplingFields):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
+    # Tool calling without a parser: "required" or a named function constrains the output
+    # to the call's JSON (tool_calls.py); "auto" needs a model-specific parser (refused).
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        from minivllm.entrypoints.openai.tool_calls import tool_call_constraint
+
+        constraint = tool_call_constraint(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if constraint is None:
+            return super().structured_output_params()
+        if self.structured_outputs is not None or (
+            self.response_format is not None and self.response_format.type != "text"
+        ):
+            raise ValueError(
+                "tool_choice constrains the output to a tool call; response_format or "
+                "structured_outputs cannot constrain it too"
+            )
+        return constraint
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         check_num_logprobs("top_logprobs", self.top_logprobs)
@@ -349,7 +491,8 @@ class CompletionResponse(OpenAIBaseModel):
 
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # vLLM sends [] when none
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -385,9 +528,25 @@ class ChatCompletionResponse(OpenAIBaseModel):
     prompt_logprobs: PromptLogprobsJSON | None = None
 
 
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A streamed piece of a tool call: the first of a call has its id, type and name;
+    the others add to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatStreamChoice(OpenAIBaseModel):

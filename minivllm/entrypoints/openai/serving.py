@@ -41,15 +41,24 @@ from minivllm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
+    FunctionCall,
     SamplingFields,
     TextContentPart,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    ToolCall,
     UsageInfo,
+)
+from minivllm.entrypoints.openai.tool_calls import (
+    forces_tool_call,
+    new_tool_call_id,
+    parse_tool_calls,
 )
 from minivllm.outputs import CompletionOutput, RequestOutput
 
@@ -151,10 +160,14 @@ class OpenAIServing:
             messages[-1]["content"],
         )
         top = request.top_logprobs or 0
+        tool_choice = (
+            request.tool_choice if forces_tool_call(request.tools, request.tool_choice) else None
+        )
         if request.stream:
             return self._chat_events(
-                accepted, request.n, request.include_usage_in_stream, request.logprobs, top
-            )
+                accepted, request.n, request.include_usage_in_stream, request.logprobs, top,
+                tool_choice,
+            )  # fmt: skip
         final = await accepted.stream.collect()
         self.live.update(final)
         return ChatCompletionResponse(
@@ -164,7 +177,7 @@ class OpenAIServing:
             choices=[
                 ChatChoice(
                     index=completion.index,
-                    message=ChatResponseMessage(content=completion.text),
+                    message=_chat_message(completion.text, tool_choice),
                     logprobs=_chat_logprobs(completion, top),
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
@@ -189,19 +202,38 @@ class OpenAIServing:
         return build
 
     async def _chat_events(
-        self, accepted: Accepted, n: int, include_usage: bool, logprobs: bool, top: int
+        self,
+        accepted: Accepted,
+        n: int,
+        include_usage: bool,
+        logprobs: bool,
+        top: int,
+        tool_choice=None,
     ):
-        def chunk(output: RequestOutput) -> ChatCompletionChunk:
+        tool_deltas = _ToolCallDeltas(tool_choice) if tool_choice is not None else None
+
+        def chunk(output: RequestOutput) -> ChatCompletionChunk | None:
             choices = [
                 ChatStreamChoice(
                     index=completion.index,
-                    delta=DeltaMessage(content=completion.text),
+                    delta=(
+                        tool_deltas(completion)
+                        if tool_deltas is not None
+                        else DeltaMessage(content=completion.text)
+                    ),
                     logprobs=_chat_logprobs(completion, top) if logprobs else None,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
                 for completion in output.outputs
             ]
+            if tool_deltas is not None:  # "required" says nothing until a call is complete
+                choices = [
+                    c for c in choices
+                    if c.delta.tool_calls or c.delta.content or c.finish_reason is not None
+                ]  # fmt: skip
+                if not choices:
+                    return None
             return ChatCompletionChunk(
                 id=accepted.request_id,
                 created=accepted.created,
@@ -393,8 +425,8 @@ class OpenAIServing:
                 said = [
                     c for c in output.outputs if c.text or c.logprobs or c.finish_reason is not None
                 ]
-                if said:
-                    yield _sse(chunk(replace(output, outputs=said)).model_dump_json())
+                if said and (event := chunk(replace(output, outputs=said))) is not None:
+                    yield _sse(event.model_dump_json())
             if include_usage:
                 usage = chunk(output).model_copy(
                     update={"choices": [], "usage": UsageInfo.of(num_prompt, num_output)}
@@ -406,6 +438,59 @@ class OpenAIServing:
             _, body = error_from_exception(e)
             yield _sse(json.dumps(body))
         yield _sse("[DONE]")
+
+
+def _chat_message(text: str, tool_choice) -> ChatResponseMessage:
+    """The assistant's message: its text, or with a forced tool call the call(s) its
+    constrained text spells (text again if ``max_tokens`` cut the call short)."""
+    calls = parse_tool_calls(text, tool_choice) if tool_choice is not None else None
+    if calls is None:
+        return ChatResponseMessage(content=text)
+    return ChatResponseMessage(
+        content="",  # as vLLM sends it with tool_choice "required" or a named function
+        tool_calls=[
+            ToolCall(id=new_tool_call_id(), function=FunctionCall(name=name, arguments=args))
+            for name, args in calls
+        ],
+    )
+
+
+class _ToolCallDeltas:
+    """A forced tool call, streamed. A named function: its arguments as they are
+    generated (the first delta of a choice also carries the call's id and name).
+    ``"required"``: the calls are whole only when the array closes, so each comes in
+    one delta at the end; an output cut short by ``max_tokens`` comes as text."""
+
+    def __init__(self, tool_choice) -> None:
+        self.tool_choice = tool_choice
+        self.text: dict[int, str] = {}  # per choice, everything so far
+
+    def __call__(self, completion: CompletionOutput) -> DeltaMessage:
+        index, delta = completion.index, completion.text
+        first = index not in self.text
+        self.text[index] = self.text.get(index, "") + delta
+        if self.tool_choice != "required":
+            call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta))
+            if first:
+                call.id, call.type = new_tool_call_id(), "function"
+                call.function.name = self.tool_choice.function.name
+            return DeltaMessage(tool_calls=[call])
+        if completion.finish_reason is None:
+            return DeltaMessage()
+        calls = parse_tool_calls(self.text[index], self.tool_choice)
+        if calls is None:
+            return DeltaMessage(content=self.text[index])
+        return DeltaMessage(
+            tool_calls=[
+                DeltaToolCall(
+                    index=i,
+                    id=new_tool_call_id(),
+                    type="function",
+                    function=DeltaFunctionCall(name=name, arguments=args),
+                )  # fmt: skip
+                for i, (name, args) in enumerate(calls)
+            ]
+        )
 
 
 def _single_prompt(prompt) -> str | list[int]:
