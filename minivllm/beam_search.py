@@ -419,7 +419,7 @@ class BeamSearchGroups:
             except Exception as e:  # this search fails alone (its beams are freed)
                 seq = group.beams[0].seq if group.beams else None
                 self.abort(group.request_id)
-                outputs = outputs + [self.engine.failed_output(group.request_id, seq, e)]
+                outputs = outputs + [self.engine.fail_request(group.request_id, seq, e)]
                 continue
             self.update_beams(group, step)
             if step.dropped:  # pruned: nobody reports them

@@ -10,9 +10,8 @@ Each feature plugs in beside this loop, at one seam (docs/architecture.md): a sc
 policy is a `Scheduler` subclass (`EngineConfig.scheduler_cls`); ``n > 1`` and beam search
 are request groups on the output side (request_groups.py); overlap (async scheduling, on
 by default on a CUDA device only) is the executor's Future, and a step function chosen once;
-structured outputs are a manager beside the scheduler (structured_output/) that holds a
-request until its grammar is compiled and puts the step's token masks in its
-`SchedulerOutput`.
+structured outputs are a manager beside the scheduler (structured_output/), called at five
+fixed places.
 """
 
 from __future__ import annotations
@@ -29,14 +28,14 @@ from minivllm.kv_cache_manager import KVCacheManager
 from minivllm.model_info import ModelInfo
 from minivllm.models.model_files import resolve_model_path
 from minivllm.output_processor import OutputProcessor, StopDecision
-from minivllm.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput
+from minivllm.outputs import ModelRunnerOutput, RequestOutput
 from minivllm.request_groups import RequestGroupSet
 from minivllm.sampling_params import BeamSearchParams, SamplingParams
 from minivllm.scheduler_interface import SchedulerInterface
 from minivllm.scheduler_output import SchedulerOutput
 from minivllm.sequence import FinishReason, Sequence
 from minivllm.stats import EngineStats, StepStats, TokenCounts
-from minivllm.structured_output import StructuredOutputManager, validate_structured_outputs
+from minivllm.structured_output import StructuredOutputManager
 from minivllm.utils import resolve_obj_by_qualname
 
 __all__ = ["LLMEngine", "Prompt"]
@@ -88,10 +87,9 @@ class LLMEngine:
             tokenizer, self.model_info.eos_token_ids, ex.max_model_len
         )
         self.request_groups = RequestGroupSet(self)  # n > 1, beam search (request_groups.py)
-        # Structured outputs: requests waiting for their grammar, and the matchers of the
-        # admitted ones (structured_output/). Empty unless a request asked for one.
+        # Requests waiting for their grammar, and the admitted ones' matchers (empty unless
+        # a request asked for structured outputs).
         self.structured_output = StructuredOutputManager(tokenizer, self.model_config.vocab_size)
-        self._logged_structured_sync = False  # async paused for them: said once
         self.engine_stats = EngineStats(self.scheduler, self.kv_cache_manager, clock)
         self.last_step: SchedulerOutput | None = None  # for walkthroughs
         # The step function, chosen once (vLLM's ``EngineCore.step_fn``); with async
@@ -123,8 +121,7 @@ class LLMEngine:
         request_id = str(request_id)
         self.check_new_request_id(request_id)
         arrival_time = self.clock() if arrival_time is None else arrival_time
-        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
-            self._check_structured_outputs(params)
+        self.structured_output.check(params, self.config.scheduling_policy)
         if isinstance(params, SamplingParams) and params.n > 1:
             groups = self.request_groups["parallel_sampling"]
             return groups.add_request(request_id, prompt, params, arrival_time)
@@ -134,44 +131,13 @@ class LLMEngine:
         """Queue a processed request (a request group queues its members here). One with
         structured outputs reaches the scheduler once its grammar is compiled."""
         self.output_processor.add_request(seq)
-        if seq.sampling_params.structured_outputs is not None:
-            self.structured_output.add_request(seq)
-        else:
+        if not self.structured_output.hold(seq):  # held until its grammar is compiled
             self.scheduler.add_request(seq)
 
     def check_new_request_id(self, request_id: str) -> None:
-        if (
-            request_id in self.scheduler.requests
-            or request_id in self.request_groups
-            or request_id in self.structured_output.waiting
-        ):
+        in_flight = (self.scheduler.requests, self.request_groups, self.structured_output.waiting)
+        if any(request_id in ids for ids in in_flight):
             raise ValueError(f"request id {request_id!r} is already in flight")
-
-    def _check_structured_outputs(self, params: SamplingParams) -> None:
-        """A constraint that cannot compile, or a setting it cannot work with, raises
-        ValueError naming the field, before anything is queued."""
-        if self.config.scheduling_policy != "continuous":
-            raise ValueError("structured_outputs needs the continuous scheduling policy")
-        if self.model_info.tokenizer is None:
-            raise ValueError("structured_outputs needs the model's tokenizer")
-        validate_structured_outputs(params.structured_outputs)
-
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Requests whose grammar finished compiling join the scheduler's waiting queue
-        (vLLM's WAITING_FOR_FSM -> WAITING). One whose compile failed (validation passed,
-        so only a resource limit can do that) fails alone, as a request that fails inside
-        a step does: finish_reason "error", its group aborted with it."""
-        ready, failed = self.structured_output.take_ready()
-        for seq in ready:
-            self.scheduler.add_request(seq)
-        outputs: dict[str, RequestOutput] = {}
-        for seq, error in failed:
-            owner = self.request_groups.owner(seq.request_id)
-            outputs.setdefault(owner, self.failed_output(owner, seq, error))
-            self.output_processor.abort_request(seq.request_id)
-        if outputs:
-            self.abort_request(list(outputs))  # the failed one's siblings, if any
-        return list(outputs.values())
 
     def add_beam_search_request(
         self,
@@ -197,13 +163,9 @@ class LLMEngine:
         aborted = self.request_groups.abort(request_id)  # a group's id: all its members
         if aborted is not None:
             return aborted
-        if request_id in self.structured_output.waiting:  # never reached the scheduler
-            seq, _ = self.structured_output.waiting[request_id]
-            self.structured_output.remove(request_id)
-            seq.finish(FinishReason.ABORT, self.clock())
+        if self.structured_output.abort(request_id, self.clock()):  # waited for its grammar
             self.output_processor.abort_request(request_id)
             return True
-        self.structured_output.remove(request_id)
         if request_id not in self.scheduler.requests:
             return False
         self.scheduler.finish_requests(request_id, FinishReason.ABORT)
@@ -221,21 +183,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, and report every request that made progress (async
         scheduling: the batch before it, async_scheduler.py). While a request group needs a
-        step's output to schedule the next (beam search), steps do not overlap; nor while a
-        request with structured outputs is in flight: its next mask depends on the token
-        the step before samples."""
+        step's output to schedule the next (beam search, structured outputs' masks), steps
+        do not overlap. A request whose grammar failed to compile fails alone."""
         structured = self.structured_output
-        if structured.waiting and (failed := self._admit_compiled()):
-            return failed
-        if structured.requests and self.step_fn != self._step_sync:
-            if not self._logged_structured_sync:
-                logger.info(
-                    "async scheduling paused while structured-output requests are in flight: "
-                    "each one's next mask depends on the token the step before samples"
-                )
-                self._logged_structured_sync = True
-            return self._finish_in_flight() if self.in_flight else self._step_sync()
-        if self.request_groups.in_lockstep:
+        if structured.waiting and (failed := structured.admit_ready(self.scheduler)):
+            return self._fail_requests(failed)
+        if self.step_fn == self._step_async and (
+            self.request_groups.in_lockstep or structured.pauses_overlap()
+        ):
             return self._finish_in_flight() if self.in_flight else self._step_sync()
         return self.step_fn()
 
@@ -243,13 +198,9 @@ class LLMEngine:
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
         self.last_step, self.engine_stats.last = scheduler_output, None
-        structured = self.structured_output
         if scheduler_output.is_empty:
-            if structured.waiting and not self.scheduler.has_unfinished_requests():
-                structured.wait_for_compile(timeout=0.05)  # nothing else to do meanwhile
             return []
-        if structured.requests:
-            scheduler_output.grammar_bitmask = structured.grammar_bitmask(scheduler_output)
+        scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         return self._process_output(scheduler_output, runner_output, start)
 
@@ -281,66 +232,49 @@ class LLMEngine:
         now = self.clock()
         self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, counts = [], TokenCounts()
-        failed: dict[str, RequestOutput] = {}  # by the id its caller waits on
-        structured_requests = self.structured_output.requests
+        failures: list[tuple[Sequence, Exception]] = []
+        structured = self.structured_output
         for seq in scheduler_output.scheduled_seqs:
             if seq.is_finished:  # async: stopped or aborted after this step was scheduled
                 continue
             try:
                 if self.request_groups.consume(seq, runner_output, counts):  # a beam's group
                     continue
-                num_before = seq.num_output_tokens
                 stop = self.output_processor.process(seq, runner_output, now, counts)
-                if structured_requests and seq.request_id in structured_requests:
-                    stop = self._advance_grammar(seq, seq.num_output_tokens - num_before, stop)
+                if structured.requests and structured.advance(seq, stopped=stop is not None):
+                    stop = stop or StopDecision(FinishReason.STOP)  # its grammar is complete
                 if stop is not None:
                     self.scheduler.finish_requests(seq.request_id, stop.reason, stop.stop_reason)
                 output = self.output_processor.make_output(seq)
             except Exception as e:  # this request (its group) fails alone; the step goes on
-                owner = self.request_groups.owner(seq.request_id)
-                failed.setdefault(owner, self.failed_output(owner, seq, e))
-                self.output_processor.abort_request(seq.request_id)
+                failures.append((seq, e))
                 continue
             if output is not None:
                 outputs.append(output)
-        if failed:
-            owner = self.request_groups.owner
-            outputs = [o for o in outputs if owner(o.request_id) not in failed]
-            self.abort_request(list(failed))  # frees their blocks; groups go as groups
-        outputs = self.request_groups.after_step(outputs, now)  # forks, drops, gathering
-        outputs += failed.values()
+        failed = self._fail_requests(failures) if failures else []
+        if failed:  # a failed group's members that did report are not reported
+            gone = {output.request_id for output in failed}
+            outputs = [o for o in outputs if self.request_groups.owner(o.request_id) not in gone]
+        outputs = self.request_groups.after_step(outputs, now) + failed  # forks, drops, gathering
         self.engine_stats.step_done(scheduler_output, start, counts)
         return outputs
 
-    def _advance_grammar(
-        self, seq: Sequence, num_new: int, stop: StopDecision | None
-    ) -> StopDecision | None:
-        """Structured outputs: the request's matcher takes the tokens it got; a complete
-        output stops the request (even with ``ignore_eos``)."""
-        new_tokens = seq.output_token_ids[seq.num_output_tokens - num_new :] if num_new else []
-        terminated = self.structured_output.accept_tokens(seq.request_id, new_tokens)
-        if stop is None and terminated:
-            stop = StopDecision(FinishReason.STOP)
-        if stop is not None:
-            self.structured_output.remove(seq.request_id)
-        return stop
+    def _fail_requests(self, failures: list[tuple[Sequence, Exception]]) -> list[RequestOutput]:
+        """Requests that failed (in a step, or their grammar's compile) end alone, with
+        finish_reason "error": one output per id a caller waits on; a group goes whole."""
+        failed: dict[str, RequestOutput] = {}
+        for seq, error in failures:
+            owner = self.request_groups.owner(seq.request_id)
+            failed.setdefault(owner, self.fail_request(owner, seq, error))
+            self.output_processor.abort_request(seq.request_id)
+        self.abort_request(list(failed))  # frees their blocks
+        return list(failed.values())
 
-    def failed_output(
-        self, request_id: str, seq: Sequence | None, error: Exception
-    ) -> RequestOutput:
-        """The last output of a request that failed inside a step: finished, with
-        finish_reason "error" and what went wrong (logged with its traceback here)."""
+    def fail_request(self, request_id: str, seq: Sequence | None, error: Exception):
+        """Log a failed request with its traceback; its last output, finish_reason "error"."""
         logger.error("request %s failed in a step; it alone is aborted", request_id,
                      exc_info=error)  # fmt: skip
-        return RequestOutput(
-            request_id=request_id,
-            prompt=seq.prompt if seq is not None else None,
-            prompt_token_ids=seq.prompt_token_ids if seq is not None else [],
-            outputs=[CompletionOutput(0, "", [], finish_reason=FinishReason.ERROR.value)],
-            finished=True,
-            metrics=seq.metrics if seq is not None else None,
-            error=f"{type(error).__name__}: {error}",
-        )
+        return self.output_processor.failed_output(request_id, seq, error)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix and the hit-rate counters (like vLLM's), e.g. between

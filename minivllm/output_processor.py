@@ -149,6 +149,20 @@ class OutputProcessor:
             return StopDecision(FinishReason.STOP)
         return StopDecision(FinishReason.STOP, token)
 
+    @staticmethod
+    def failed_output(request_id: str, seq: Sequence | None, error: Exception) -> RequestOutput:
+        """The last output of a request that failed inside a step: finished, with
+        finish_reason "error" and what went wrong."""
+        return RequestOutput(
+            request_id=request_id,
+            prompt=seq.prompt if seq is not None else None,
+            prompt_token_ids=seq.prompt_token_ids if seq is not None else [],
+            outputs=[CompletionOutput(0, "", [], finish_reason=FinishReason.ERROR.value)],
+            finished=True,
+            metrics=seq.metrics if seq is not None else None,
+            error=f"{type(error).__name__}: {error}",
+        )
+
     def make_output(self, seq: Sequence) -> RequestOutput | None:
         """What to report for ``seq`` after this step (None: nothing, for FINAL_ONLY until
         the end, and for DELTA after a step that gave it no token, e.g. a prefill chunk).

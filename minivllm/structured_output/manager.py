@@ -1,22 +1,26 @@
 """Per-request grammar state inside the continuous batch (vLLM's ``StructuredOutputManager``,
 vllm/v1/structured_output/__init__.py).
 
-A request with ``structured_outputs`` lives here beside the scheduler:
+A request with ``structured_outputs`` lives here beside the scheduler. The engine calls
+this manager at five fixed places, each one line (engine.py):
 
-1. `add_request`: its constraint is compiled on the compile thread, once per distinct
-   constraint (a cache keyed by it: the same schema again is a cache hit). Until then
-   the request is *waiting for its grammar* (vLLM's ``WAITING_FOR_FSM``): the engine
-   does not hand it to the scheduler, and every other request keeps stepping.
-2. `take_ready`: the requests whose grammar is ready, each with its own matcher.
-3. Each step, `grammar_bitmask`: one bitmask row per sampled row of a constrained request
-   (its last row, and with draft tokens one per draft: the matcher walks through the
-   drafts, filling the mask at each, then rolls back). The model runner applies it to
+1. `hold` (when a request is queued): its constraint is compiled on the compile thread,
+   once per distinct constraint (a cache keyed by it: the same schema again is a cache
+   hit). Until then the request is *waiting for its grammar* (vLLM's
+   ``WAITING_FOR_FSM``): it is not in the scheduler, and every other request keeps stepping.
+2. `admit_ready` (before a step): the requests whose grammar is ready join the
+   scheduler's waiting queue, each with its own matcher.
+3. `grammar_bitmask` (after scheduling): one bitmask row per sampled row of a constrained
+   request (its last row, and with draft tokens one per draft: the matcher walks through
+   the drafts, filling the mask at each, then rolls back). The model runner applies it to
    exactly those rows of the logits before sampling (sampler.py, `apply_grammar_bitmask`).
-4. `accept_tokens`: after the step, the tokens the request really got (a rejected
-   draft never reaches the matcher). True when the grammar is complete.
+4. `advance` (after the step): the matcher takes the tokens the request really got (a
+   rejected draft never reaches it). True when the output is complete: the request stops.
+5. `abort`.
+While a constrained request is in flight, steps do not overlap (`pauses_overlap`).
 
-A request without ``structured_outputs`` never enters: the engine's one check per step is
-whether `requests` is empty.
+A request without ``structured_outputs`` never enters: each place above first checks
+whether `requests` (or `waiting`) is empty.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.sampling_params import StructuredOutputsParams
-from minivllm.scheduler_output import SchedulerOutput
-from minivllm.sequence import Sequence
+from minivllm.scheduler_output import GrammarBitmask, SchedulerOutput
+from minivllm.sequence import FinishReason, Sequence
 from minivllm.structured_output.backend import (
     CompiledGrammar,
     Grammar,
@@ -40,16 +44,6 @@ from minivllm.structured_output.backend import (
 )
 
 logger = logging.getLogger("minivllm.structured_output")
-
-
-@dataclass
-class GrammarBitmask:
-    """The masks of one step: ``bitmask[i]`` applies to sampled row ``rows[i]`` (rows
-    numbered as the model runner samples them: each sampling chunk in order, ``1 +
-    num_draft_tokens`` rows each). Rows not listed are not masked."""
-
-    rows: list[int]
-    bitmask: torch.Tensor  # [len(rows), words], int32
 
 
 @dataclass
@@ -100,7 +94,79 @@ class StructuredOutputManager:
         self.cache: dict[tuple[str, str], Future[CompiledGrammar]] = {}
         self.waiting: dict[str, tuple[Sequence, Future[CompiledGrammar]]] = {}
         self.requests: dict[str, Grammar] = {}  # admitted: each its own matcher
+        self.num_accepted: dict[str, int] = {}  # output tokens each matcher has taken
         self.stats = StructuredOutputStats()
+        self.said_overlap_paused = False
+
+    # --- the engine's five calls ---------------------------------------------------------
+
+    def check(self, params, scheduling_policy: str) -> None:
+        """A request's constraint (``params``: its `SamplingParams`, if any) that cannot
+        compile, or a setting it cannot work with, raises ValueError naming the field,
+        before anything is queued."""
+        params = getattr(params, "structured_outputs", None)
+        if params is None:
+            return
+        if scheduling_policy != "continuous":
+            raise ValueError("structured_outputs needs the continuous scheduling policy")
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer")
+        validate_structured_outputs(params)
+
+    def hold(self, seq: Sequence) -> bool:
+        """Take ``seq`` if it asks for structured outputs (it waits here for its grammar);
+        False, doing nothing, if it does not."""
+        if seq.sampling_params.structured_outputs is None:
+            return False
+        self.add_request(seq)
+        return True
+
+    def admit_ready(self, scheduler) -> list[tuple[Sequence, Exception]]:
+        """Hand the requests whose grammar is compiled to ``scheduler`` (vLLM's
+        ``WAITING_FOR_FSM`` -> ``WAITING``), in the order they came; return those whose
+        compile failed, with the error. With nothing else to run, wait a moment first."""
+        if not scheduler.has_unfinished_requests():
+            self.wait_for_compile(timeout=0.05)
+        ready, failed = self.take_ready()
+        for seq in ready:
+            scheduler.add_request(seq)
+        return failed
+
+    def advance(self, seq: Sequence, stopped: bool) -> bool:
+        """After a step: ``seq``'s matcher takes the output tokens it got since it last
+        advanced. True when the output is complete (the engine stops the request then,
+        even with ``ignore_eos``). A request that stops (``stopped``, or complete) leaves."""
+        request_id = seq.request_id
+        if request_id not in self.requests:
+            return False
+        new_tokens = seq.token_ids[seq.num_prompt_tokens + self.num_accepted[request_id] :]
+        self.num_accepted[request_id] = seq.num_output_tokens
+        complete = self.accept_tokens(request_id, new_tokens)
+        if stopped or complete:
+            self.remove(request_id)
+        return complete
+
+    def abort(self, request_id: str, now: float) -> bool:
+        """Forget ``request_id``. True if it was still waiting for its grammar (it never
+        reached the scheduler: it is finished here)."""
+        held = self.waiting.get(request_id)
+        self.remove(request_id)
+        if held is not None:
+            held[0].finish(FinishReason.ABORT, now)
+        return held is not None
+
+    def pauses_overlap(self) -> bool:
+        """Whether steps must not overlap now: a constrained request's next mask depends
+        on the token the step before samples. Said once in the log."""
+        if not self.requests:
+            return False
+        if not self.said_overlap_paused:
+            logger.info(
+                "async scheduling paused while structured-output requests are in flight: "
+                "each one's next mask depends on the token the step before samples"
+            )
+            self.said_overlap_paused = True
+        return True
 
     # --- requests in and out -------------------------------------------------------------
 
@@ -141,6 +207,7 @@ class StructuredOutputManager:
                 failed.append((seq, error))
                 continue
             self.requests[request_id] = future.result().new_matcher()
+            self.num_accepted[request_id] = seq.num_output_tokens
             ready.append(seq)
         return ready, failed
 
@@ -151,6 +218,7 @@ class StructuredOutputManager:
 
     def remove(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self.num_accepted.pop(request_id, None)
         self.waiting.pop(request_id, None)
 
     def shutdown(self) -> None:
@@ -162,6 +230,8 @@ class StructuredOutputManager:
     def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
         """The masks for this step's sampled rows of constrained requests, or None if no
         constrained request samples in it. Row numbering follows the model runner."""
+        if not self.requests:
+            return None
         start = time.thread_time()
         to_fill: list[tuple[Grammar, int, list[int]]] = []
         row = 0
