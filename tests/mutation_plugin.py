@@ -9,7 +9,10 @@ tiny checkpoint cost seconds each. The core's behaviour is pinned down by model-
 from __future__ import annotations
 
 # A test needs a checkpoint when one of these is among its fixtures (or theirs).
-MODEL_FIXTURES = {"tiny_model_path", "tiny_llama_path", "smollm2_path", "bigram_llama_path"}
+# byte_model: a small checkpoint on the byte tokenizer (tests/test_structured_outputs.py).
+MODEL_FIXTURES = {
+    "tiny_model_path", "tiny_llama_path", "smollm2_path", "bigram_llama_path", "byte_model"
+}  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):
