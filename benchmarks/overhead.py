@@ -70,7 +70,7 @@ from minivllm.detokenizer import Detokenizer
 from minivllm.engine import LLMEngine
 from minivllm.model_info import ModelInfo
 from minivllm.model_runner import ModelRunner
-from minivllm.models.llama import ModelConfig
+from minivllm.models.config import ModelConfig
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.scheduler_output import ScheduledChunk, SchedulerOutput

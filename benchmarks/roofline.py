@@ -13,7 +13,7 @@ flattened batch and `AttentionMetadata` the model runner would build):
   (seed 0).
 
 A step is the model's forward pass, the vocabulary projection of the rows that sample and
-their argmax. For each it counts the useful FLOPs (`ModelConfig.request_flops`) and the
+their argmax. For each it counts the useful FLOPs (`arithmetic.request_flops`) and the
 bytes it must at least move (every weight once, each sequence's keys and values once, the
 new keys and values written), and reports the time against
 ``limit = max(FLOPs / matmul peak, bytes / read bandwidth)``. The plot puts each step on
@@ -43,8 +43,10 @@ import torch
 from minivllm.attention import AttentionMetadata, get_backend
 from minivllm.bench.hardware_probe import matmul_candidates
 from minivllm.config import EngineConfig
+from minivllm.models.arithmetic import request_flops
+from minivllm.models.config import ModelConfig
 from minivllm.models.linear import Linear
-from minivllm.models.llama import CausalLM, ModelConfig
+from minivllm.models.llama import CausalLM
 from minivllm.models.loader import load_model
 from minivllm.models.model_files import default_model_path
 
@@ -195,8 +197,8 @@ def step_flops(config: ModelConfig, query_lens: list[int], context_lens: list[in
     flops = 0
     for query_len, context_len in zip(query_lens, context_lens):
         # request_flops(n + 1, 0) counts the rows at positions 0 .. n-1.
-        rows = config.request_flops(context_len + 1, 0)
-        rows -= config.request_flops(context_len - query_len + 1, 0)
+        rows = request_flops(config, context_len + 1, 0)
+        rows -= request_flops(config, context_len - query_len + 1, 0)
         flops += rows + 2 * config.hidden_size * config.vocab_size
     return flops
 

@@ -14,7 +14,7 @@ from minivllm.sampling_params import SEED_RANGE
 from minivllm.utils import as_int
 
 if TYPE_CHECKING:
-    from minivllm.models.llama import ModelConfig
+    from minivllm.models.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

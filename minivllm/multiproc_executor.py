@@ -32,7 +32,7 @@ import torch
 
 from minivllm.config import EngineConfig, checked_backend, resolve_max_model_len
 from minivllm.models.arithmetic import check_tensor_parallel, num_blocks_for_bytes
-from minivllm.models.llama import ModelConfig
+from minivllm.models.config import ModelConfig
 from minivllm.models.loader import load_model_config
 from minivllm.models.model_files import resolve_model_path
 from minivllm.outputs import ModelRunnerOutput

@@ -25,7 +25,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
 
 if TYPE_CHECKING:
-    from minivllm.structured_output import GrammarBitmask
+    import torch
 
 # Async scheduling: the input of a decode whose token the step before is still sampling.
 # The model runner replaces it with that sample before the step runs.
@@ -82,6 +82,17 @@ class ScheduledChunk:
     def context_len(self) -> int:
         """Positions the last row attends to, itself included."""
         return self.start_position + len(self.token_ids)
+
+
+@dataclass
+class GrammarBitmask:
+    """The masks of one step: ``bitmask[i]`` applies to sampled row ``rows[i]`` (rows
+    numbered as the model runner samples them: each sampling chunk in order, ``1 +
+    num_draft_tokens`` rows each). Rows not listed are not masked. Structured outputs
+    (structured_output/) build it; it lives with the step record it belongs to."""
+
+    rows: list[int]
+    bitmask: torch.Tensor  # [len(rows), words], int32
 
 
 @dataclass

@@ -265,9 +265,18 @@ EQUIVALENT: dict[str, str] = {
         "the input batch's device set to None: its tensors stay on the CPU, where the mutation "
         "run is"
     ),
-    "minivllm.model_runner.x\u01c1ModelRunner\u01c1__init____mutmut_36": (
+    "minivllm.model_runner.x\u01c1ModelRunner\u01c1__init____mutmut_35": (
         "prev_sampled_token_ids starts at None: the first step has no placeholder to fill "
         "(nothing was sampled before it), and every step sets it"
+    ),
+    "minivllm.beam_search.x\u01c1BeamSearchGroups\u01c1after_step__mutmut_6": (
+        "a failed search reported with its first beam's prompt even with no beam (`or True`): "
+        "a search in flight always has a beam (one whose beams all ended is finished and "
+        "popped in the same after_step), so the guard's `else None` never runs"
+    ),
+    "minivllm.model_runner.x\u01c1ModelRunner\u01c1_sample__mutmut_12": (
+        "the sampler called on a step with no chunk to sample too (`or True`; a step that "
+        "only wants prompt logprobs): a shortcut, the sampler returns [] for no rows"
     ),
     SO_MANAGER + "__init____mutmut_11": (
         "said_overlap_paused starts at None for False: both are falsy, the first pause is "

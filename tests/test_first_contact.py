@@ -85,7 +85,7 @@ CORE = [
     "scheduler_interface", "model_runner", "input_batch", "executor", "sampler", "logprobs",
     "outputs", "output_processor", "detokenizer", "input_processor", "engine", "llm",
     "sampling_params", "config", "model_info", "utils", "stats", "request_groups",
-    "models/llama", "models/linear", "models/loader", "models/model_files",
+    "models/config", "models/llama", "models/linear", "models/loader", "models/model_files",
     "attention/backend", "attention/torch_backend", "attention/registry",
 ]  # fmt: skip
 FEATURES = (
@@ -113,6 +113,85 @@ def test_importing_the_package_loads_no_feature():
     ).stdout
     assert "minivllm.scheduler" in loaded
     assert [m for m in FEATURES + FORBIDDEN if f"'{m}" in loaded] == []
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports: every import, at the top, inside a
+    function or under ``if TYPE_CHECKING:`` (a reader follows those too). ``from a import b``
+    names module ``a.b`` when there is one, else ``a`` (its ``__init__.py`` for a package)."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+    def owner(name: str) -> str | None:  # the longest prefix that is one of our modules
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {owner(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from .x import y
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets |= {owner(f"{base}.{alias.name}") for alias in node.names}
+        graph[name] = targets - {None, name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_the_circle_check_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_package_imports_in_no_circle():
+    """Modules import one another one way only, so the package reads bottom up
+    (docs/architecture.md): no circle, not even through a type-only import."""
+    graph = _import_graph()
+    assert {"minivllm.engine", "minivllm.models.llama", "minivllm.spec_decode"} <= graph.keys()
+    # Edges are found: a plain import, and one under TYPE_CHECKING.
+    assert "minivllm.models.arithmetic" in graph["minivllm.models.parallel_layers"]
+    assert "minivllm.models.config" in graph["minivllm.models.arithmetic"]
+    assert _circles(graph) == []
 
 
 # --- the command line --------------------------------------------------------------------

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from minivllm.attention.torch_backend import TorchAttentionBackend
 from minivllm.models import arithmetic as ar
-from minivllm.models.llama import CausalLM, ModelConfig
+from minivllm.models.config import ModelConfig
+from minivllm.models.llama import CausalLM
 from minivllm.simulator.models import MODELS
 
 LLAMA_8B = MODELS["llama-3.1-8b"]
@@ -174,7 +175,6 @@ def test_a_request_is_its_prefill_and_its_decodes(num_prompt, num_output):
         return
     decodes = sum(ar.decode_flops(tiny, num_prompt + i + 1) for i in range(num_output - 1))
     assert total == ar.prefill_flops(tiny, num_prompt) + decodes
-    assert tiny.request_flops(num_prompt, num_output) == total  # ModelConfig's shortcut
 
 
 # --- parameters equal the real model's numel() -----------------------------------------

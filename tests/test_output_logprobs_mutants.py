@@ -15,6 +15,7 @@ from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import Logprob, ModelRunnerOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.sequence import FinishReason, Sequence
+from minivllm.stats import TokenCounts
 from tests.test_stop_strings import byte_level_tokenizer
 
 EOS = 0
@@ -139,3 +140,26 @@ def test_stop_token_ids_and_eos_stop_only_after_min_tokens_and_eos_not_when_igno
     out = step(processor, seq, [EOS])
     assert out.finished and out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].stop_reason is None and seq.finish_reason is FinishReason.STOP
+
+
+def test_process_keeps_the_rows_then_the_tokens_and_counts_only_the_new_ones():
+    """`process`, the engine's per-request call: logprobs first (output rows alone, or
+    prompt rows alone), then the tokens at the step's time, and ``counts`` learns the
+    tokens kept this step, not the request's total."""
+    processor, seq = make(logprobs=0, max_tokens=5)
+    counts = TokenCounts()
+    output = ModelRunnerOutput({"r": [HE]}, {"r": rows(HE)})  # output rows, no prompt rows
+    assert processor.process(seq, output, 3.0, counts) is None
+    assert seq.output_token_ids == [HE] and seq.metrics.token_times == [3.0]
+    assert [list(r) for r in processor.logprobs["r"]] == [[HE]]
+    assert (counts.num_prompt_tokens, counts.num_generation_tokens) == (3, 1)
+    counts = TokenCounts()
+    processor.process(seq, ModelRunnerOutput({"r": [LL, OH]}, {"r": rows(LL, OH)}), 4.0, counts)
+    assert (counts.num_prompt_tokens, counts.num_generation_tokens) == (0, 2)  # 2 new of 3
+    assert seq.metrics.token_times == [3.0, 4.0, 4.0]
+    processor, seq = make(prompt_logprobs=0, max_tokens=5)  # prompt rows alone
+    output = ModelRunnerOutput({"r": [HE]})
+    output.prompt_logprobs["r"] = (1, rows(LL, OH))  # the rows of prompt tokens 1 and 2
+    processor.process(seq, output, 1.0, TokenCounts())
+    kept = processor.prompt_logprobs["r"]
+    assert kept[0] is None and [list(r) for r in kept[1:]] == [[LL], [OH]]

@@ -118,6 +118,8 @@ def test_token_counts_take_a_prompt_once_when_its_first_tokens_are_kept():
     mid_prompt = SimpleNamespace(num_output_tokens=0, num_prompt_tokens=4)  # nothing kept
     counts.add(mid_prompt, 0)
     assert (counts.num_prompt_tokens, counts.num_generation_tokens) == (9, 3)
+    counts.add(SimpleNamespace(num_output_tokens=1, num_prompt_tokens=6), 1)  # a second one
+    assert (counts.num_prompt_tokens, counts.num_generation_tokens) == (15, 4)  # summed
 
 
 def make_engine_stats(spec_decoding=None):
@@ -135,7 +137,10 @@ def test_engine_stats_record_steps_only_between_record_and_take():
     first = stats.last
     assert (first.start_time, first.end_time) == (9.5, 10.0)
     assert (first.num_prompt_tokens, first.num_generation_tokens) == (4, 2)
-    with pytest.raises(RuntimeError, match="record_steps"):
+    # What the step ran, as its scheduler output says (not an idle snapshot's zeros).
+    assert (first.num_prefill_tokens, first.num_decode_tokens) == (12, 2)
+    assert (first.decode_ids, first.preempted_ids) == (["d1", "d2"], ["gone"])
+    with pytest.raises(RuntimeError, match=r"^take_step_stats\(\) without record_steps\(\) first$"):
         stats.take_step_stats()
     stats.record_steps()
     stats.step_done(step_that_ran(), 10.5, TokenCounts())

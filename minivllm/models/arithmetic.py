@@ -24,7 +24,7 @@ from minivllm.utils import cdiv
 if TYPE_CHECKING:
     import torch
 
-    from minivllm.models.llama import ModelConfig
+    from minivllm.models.config import ModelConfig
 
 
 def check_tensor_parallel(num_heads: int, num_kv_heads: int, tensor_parallel_size: int) -> None:

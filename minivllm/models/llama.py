@@ -14,15 +14,13 @@ across tensor-parallel ranks they are the column- and row-parallel layers of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention import AttentionBackend, AttentionMetadata, write_kv_cache
 from minivllm.distributed import TensorParallelGroup
-from minivllm.models import arithmetic
+from minivllm.models.config import ModelConfig
 from minivllm.models.linear import Linear
 from minivllm.models.parallel_layers import (
     ColumnParallelLinear,
@@ -31,33 +29,6 @@ from minivllm.models.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-
-
-@dataclass
-class ModelConfig:
-    """The model's shape; what follows from it (parameters, FLOPs, KV bytes, the
-    tensor-parallel split) is computed in `minivllm.models.arithmetic`."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    inv_freq: torch.Tensor  # [head_dim // 2] rotary frequencies, scaling already applied
-    rope_attention_scaling: float = 1.0  # cos/sin multiplier some rope types use
-    qkv_bias: bool = False  # Qwen2
-    o_bias: bool = False  # Llama's attention_bias=True also puts a bias on o_proj
-    mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3
-    tie_word_embeddings: bool = False
-
-    def request_flops(self, num_prompt_tokens: int, num_output_tokens: int) -> int:
-        """The useful FLOPs of one request: `minivllm.models.arithmetic.request_flops`."""
-        return arithmetic.request_flops(self, num_prompt_tokens, num_output_tokens)
 
 
 class RMSNorm(nn.Module):

@@ -15,8 +15,9 @@ from transformers import AutoConfig, PretrainedConfig
 
 from minivllm.attention import AttentionBackend
 from minivllm.distributed import TensorParallelGroup
+from minivllm.models.config import ModelConfig
 from minivllm.models.linear import Linear
-from minivllm.models.llama import CausalLM, ModelConfig, RotaryEmbedding
+from minivllm.models.llama import CausalLM, RotaryEmbedding
 from minivllm.models.model_files import find_gguf
 from minivllm.quantization import get_quantization_config
 

@@ -23,7 +23,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.model_info import ModelInfo
 from minivllm.models.arithmetic import check_tensor_parallel, request_flops
-from minivllm.models.llama import ModelConfig
+from minivllm.models.config import ModelConfig
 from minivllm.simulator.acceptance import AcceptanceProfile
 from minivllm.simulator.clock import SimClock
 from minivllm.simulator.executor import SimulatedExecutor

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minivllm.models import arithmetic
-from minivllm.models.llama import ModelConfig
+from minivllm.models.config import ModelConfig
 from minivllm.simulator.hardware import Hardware
 
 

@@ -24,7 +24,7 @@ import torch
 from minivllm.config import EngineConfig, resolve_max_model_len
 from minivllm.input_batch import InputBatch
 from minivllm.models.arithmetic import check_tensor_parallel
-from minivllm.models.llama import ModelConfig
+from minivllm.models.config import ModelConfig
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.scheduler_output import SchedulerOutput
 from minivllm.simulator import acceptance

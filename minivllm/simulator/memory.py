@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minivllm.models import arithmetic
-from minivllm.models.llama import ModelConfig
+from minivllm.models.config import ModelConfig
 from minivllm.simulator.hardware import Hardware
 
 

@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 import torch
 
-from minivllm.models.llama import ModelConfig
+from minivllm.models.config import ModelConfig
 
 
 def _preset(head_dim: int, **shape) -> ModelConfig:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.sampling_params import StructuredOutputsParams
-from minivllm.scheduler_output import SchedulerOutput
+from minivllm.scheduler_output import GrammarBitmask, SchedulerOutput
 from minivllm.sequence import FinishReason, Sequence
 from minivllm.structured_output.backend import (
     CompiledGrammar,
@@ -44,16 +44,6 @@ from minivllm.structured_output.backend import (
 )
 
 logger = logging.getLogger("minivllm.structured_output")
-
-
-@dataclass
-class GrammarBitmask:
-    """The masks of one step: ``bitmask[i]`` applies to sampled row ``rows[i]`` (rows
-    numbered as the model runner samples them: each sampling chunk in order, ``1 +
-    num_draft_tokens`` rows each). Rows not listed are not masked."""
-
-    rows: list[int]
-    bitmask: torch.Tensor  # [len(rows), words], int32
 
 
 @dataclass
