@@ -25,7 +25,8 @@ import time
 
 import matplotlib.pyplot as plt
 
-from minivllm import EngineConfig, LLMEngine, SamplingParams
+from minivllm import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
+from minivllm.structured_output.backend import allowed_tokens
 
 start = time.perf_counter()
 # Prefix caching (on by default, as in vLLM) is off here: the four prompts share the chat
@@ -248,6 +249,49 @@ print("slot_mapping == block_table[pos // block_size] * block_size + pos % block
 for rid in ("A2", "B2", "C2"):
     engine.abort_request(rid)
 print("aborted; free blocks:", engine.kv_cache_manager.num_free_blocks)
+
+# %% [markdown]
+# ## One mixed step with structured outputs
+#
+# Constrained requests (`structured_outputs`: a JSON schema, a choice, ...) run in the same
+# batch. After scheduling, the engine asks its structured-output manager for one token mask
+# per *sampled* row of a constrained request (`engine.last_step.grammar_bitmask`: `rows`
+# and one bitmask row each); a free request's row gets no mask, and a prefill chunk that
+# does not reach the end of its prompt samples nothing. We add one free request and two
+# constrained ones, then step until a step has all three kinds of row.
+
+# %%
+schema = {"type": "object", "properties": {"prime": {"type": "integer"}}, "required": ["prime"]}
+so_params = {
+    "free": SamplingParams(temperature=0, max_tokens=8),
+    "json": SamplingParams(temperature=0, max_tokens=8,
+                           structured_outputs=StructuredOutputsParams(json=schema)),
+    "choice": SamplingParams(temperature=0, max_tokens=8,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+}  # fmt: skip
+for rid, q in (("free", "B"), ("json", "B"), ("choice", "D")):
+    engine.add_request(rid, prompts[q], so_params[rid])
+for _ in range(12):
+    engine.step()
+    step, mask = engine.last_step, engine.last_step.grammar_bitmask
+    if mask is not None and len(mask.rows) >= 2 and len(step.chunks) == 3:
+        break
+vocab_size = engine.structured_output.vocab_size
+row = 0
+for chunk in step.chunks:
+    kind = "decode" if chunk.num_output_tokens else "prefill"
+    if not chunk.sample:
+        print(f"{chunk.request_id:>6}: {kind}, {len(chunk.token_ids)} tokens, samples nothing")
+        continue
+    if row in mask.rows:
+        allowed = allowed_tokens(mask.bitmask[mask.rows.index(row)], vocab_size)
+        what = f"masked: {int(allowed.sum())} of {vocab_size} tokens allowed"
+    else:
+        what = "no mask: all tokens allowed"
+    print(f"{chunk.request_id:>6}: {kind}, sampled row {row}, {what}")
+    row += 1 + chunk.num_draft_tokens
+for rid in so_params:
+    engine.abort_request(rid)
 
 # %% [markdown]
 # **What to remember**

@@ -15,7 +15,10 @@ from __future__ import annotations
 import os
 
 # A test needs a checkpoint when one of these is among its fixtures (or theirs).
-MODEL_FIXTURES = {"tiny_model_path", "tiny_llama_path", "smollm2_path", "bigram_llama_path"}
+# byte_model: a small checkpoint on the byte tokenizer (tests/test_structured_outputs.py).
+MODEL_FIXTURES = {
+    "tiny_model_path", "tiny_llama_path", "smollm2_path", "bigram_llama_path", "byte_model"
+}  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):

