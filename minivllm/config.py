@@ -290,7 +290,7 @@ class EngineConfig:
         """Why the engine does not schedule asynchronously when ``async_scheduling`` is
         left None, or None where it does. Overlap pays where the model runs on a device
         and the CPU is free to schedule meanwhile: on CUDA. On a CPU the model's work *is*
-        the CPU's work (docs/tutorial/what-a-gpu-would-do.md measured no gain), so the
+        the CPU's work (docs/engine-overhead.md measured no gain), so the
         default is the synchronous loop the chapters teach."""
         reason = self.async_scheduling_unsupported
         if reason is None and self.torch_device.type != "cuda":

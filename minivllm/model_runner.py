@@ -12,7 +12,7 @@ to copy first (copy-on-write, kv_cache_manager.py), and writes into neither: why
 or a copy is there is the scheduler's business.
 
 The inputs are built by a persistent `InputBatch` (input_batch.py) that keeps the block
-tables from step to step (docs/tutorial/what-a-gpu-would-do.md measured why).
+tables from step to step (docs/engine-overhead.md measured why).
 """
 
 from __future__ import annotations
