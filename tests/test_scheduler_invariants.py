@@ -742,7 +742,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 # Derandomized: the same examples every run, so the test below can promise what they reach.
-SchedulerMachine.TestCase.settings = settings(stateful_step_count=60, derandomize=True)
+# 90 examples, not the profile's 30: with 30, the streamed-and-preempted request with prompt
+# logprobs and copy-on-write were each missed by some run (alone vs. in the full suite).
+SchedulerMachine.TestCase.settings = settings(max_examples=90, stateful_step_count=60, derandomize=True)
 REACHED: Counter[str] = Counter()
 
 
