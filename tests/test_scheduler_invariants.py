@@ -744,7 +744,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 # Derandomized: the same examples every run, so the test below can promise what they reach.
 # 90 examples, not the profile's 30: with 30, the streamed-and-preempted request with prompt
 # logprobs and copy-on-write were each missed by some run (alone vs. in the full suite).
-SchedulerMachine.TestCase.settings = settings(max_examples=90, stateful_step_count=60, derandomize=True)
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=90, stateful_step_count=60, derandomize=True
+)
 REACHED: Counter[str] = Counter()
 
 
